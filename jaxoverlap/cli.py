@@ -1,0 +1,133 @@
+"""The `jaxoverlap` command line: generate, serve, client, bench.
+
+argparse lives here only; everything below it takes EngineConfig / SamplingParams.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from jaxoverlap.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options")
+    g.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded tiny model)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--max-context-len", type=int, default=None)
+    g.add_argument("--chunked-prefill-size", type=int, default=2048)
+    g.add_argument("--kv-cache-tokens", type=int, default=None)
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.85)
+    g.add_argument("--disable-overlap", action="store_true", help="use the normal (non-overlap) loop")
+    g.add_argument("--disable-prefix-cache", action="store_true")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"])
+    g.add_argument("--weights-cache-dir", default=None)
+    g.add_argument("--compilation-cache-dir", default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options given on the command line, keyed like EngineConfig's fields."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from jaxoverlap.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, seed=args.sampling_seed, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxoverlap.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **engine_options(args))
+    t_load = time.perf_counter() - t0
+    params = sampling_params(args)
+    if args.stream:
+        for out in llm.generate_stream(args.prompts, params):
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    results = llm.generate(args.prompts, params)
+    for prompt, r in zip(args.prompts, results):
+        if args.json:
+            print(json.dumps({
+                "prompt": prompt, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                "ttft_s": r.metrics.time_to_first_token, "tokens_per_s": r.metrics.tokens_per_second,
+            }))
+        else:
+            print(f"{prompt}{r.text}")
+            tps = r.metrics.tokens_per_second
+            print(f"  [{len(r.token_ids)} tokens, finish={r.finish_reason}, "
+                  f"ttft={r.metrics.time_to_first_token * 1e3:.1f} ms, "
+                  f"{tps:.1f} tok/s incl. compile; load {t_load:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxoverlap", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from prompts (offline)")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--stream", action="store_true")
+    g.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    try:
+        from jaxoverlap.server import cli_commands
+    except ImportError as e:  # the server extras are optional for offline use
+        cli_commands = None
+        server_error = e
+    for name, helptext in (("serve", "run the gRPC server"), ("client", "call a running server"),
+                           ("bench", "benchmark a running server")):
+        p = sub.add_parser(name, help=helptext)
+        if cli_commands is None:
+            p.set_defaults(func=lambda a, e=server_error: sys.exit(f"the server is unavailable: {e}"))
+            continue
+        if name == "serve":
+            cli_commands.add_serve_args(p)
+            add_engine_args(p)
+            p.set_defaults(func=lambda a: cli_commands.run_serve(a, dict(engine_options(a), model=a.model)))
+        elif name == "client":
+            cli_commands.add_client_args(p)
+            p.set_defaults(func=cli_commands.run_client)
+        else:
+            cli_commands.add_bench_args(p)
+            p.set_defaults(func=cli_commands.run_bench)
+
+    args = parser.parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

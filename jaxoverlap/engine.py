@@ -1,0 +1,324 @@
+"""The engine: requests in, token deltas out, with the overlap loop and the normal loop side by side.
+
+    overlap (default)                         normal (disable_overlap=True)
+    batch = schedule()   # results <= N-1     batch = schedule()     # results <= N
+    launch(batch)        # returns at once    launch(batch)
+    process(step N)      # waits for N only   process(this step)     # waits for it
+
+In the overlap loop the host prepares and launches step N+1 before it waits for step N, so
+the device always has the next step queued behind the running one. A request that ends in
+step N is found when step N is processed; it is already in step N+1, whose tokens for it
+are dropped.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxoverlap.config import EngineConfig
+from jaxoverlap.device_state import init_device_state, kv_cache_bytes_per_token
+from jaxoverlap.errors import InvalidRequestError, PromptTooLongError, QueueFullError
+from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.outputs import RequestOutput
+from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
+from jaxoverlap.prefix_cache import PrefixCache
+from jaxoverlap.request import Request, Status
+from jaxoverlap.runner import LaunchedStep, ModelRunner
+from jaxoverlap.sampling_params import SamplingParams
+from jaxoverlap.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclasses.dataclass
+class StepTiming:
+    """Host time of one loop iteration, split as in the article's Figure 3."""
+
+    kind: str  # the launched step: "prefill" | "decode" | "" (nothing launched, drain only)
+    batch_size: int
+    prepare_s: float  # schedule + reservations
+    launch_s: float  # build arrays + dispatch the jitted step
+    wait_s: float  # blocked on the device for the processed step's outputs
+    process_s: float  # bookkeeping of the processed step (stops, outputs, frees)
+
+
+def _resolve_dtype(name: str):
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None, params=None, tokenizer=None):
+        from jaxoverlap.models import loader
+
+        self.config = config
+        if config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        model_path = config.model or loader.default_model_path()
+        self.model_path = model_path
+        self.model_name = os.path.basename(os.path.normpath(model_path)) if config.model else "jaxoverlap-default"
+        self.model_config = model_config or ModelConfig.from_path(model_path)
+        self.dtype = _resolve_dtype(config.dtype)
+        if params is None:
+            params = loader.load_params(
+                model_path, self.model_config, self.dtype,
+                load_format=config.load_format, seed=config.seed, cache_dir=config.weights_cache_dir,
+            )
+        if tokenizer is None and os.path.exists(os.path.join(model_path, "tokenizer.json")):
+            from jaxoverlap.models.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_path(model_path)
+        self.tokenizer = tokenizer
+        eos = set(self.model_config.eos_token_ids)
+        if tokenizer is not None:
+            eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.eos_token_ids = frozenset(eos)
+
+        mc, ps = self.model_config, config.page_size
+        self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096)
+        table_width = -(-self.max_context_len // ps) * ps
+        kv_tokens = config.kv_cache_tokens or self._kv_tokens_from_memory(params, table_width)
+        num_pages = -(-kv_tokens // ps) + 1  # + the dummy page
+        self.kv_cache_tokens = (num_pages - 1) * ps
+        state = init_device_state(
+            num_layers=mc.num_layers, num_slots=num_pages * ps, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, dtype=self.dtype, num_entries=config.max_running_requests + 1,
+            table_width=table_width,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                page_size=ps, max_running=config.max_running_requests,
+                chunked_prefill_size=config.chunked_prefill_size,
+                max_prefill_requests=config.max_prefill_requests,
+                max_context_len=self.max_context_len, table_width=table_width, window=1,
+            ),
+            PageAllocator(num_pages, ps),
+            EntryAllocator(config.max_running_requests),
+            PrefixCache(ps, enabled=not config.disable_prefix_cache),
+            stop_checker=self._check_stop_strings,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.runner = ModelRunner(
+            params, mc, state, page_size=ps, max_running=config.max_running_requests,
+            max_prefill_requests=config.max_prefill_requests, chunked_prefill_size=config.chunked_prefill_size,
+            table_width=table_width, batch_buckets=config.batch_buckets, attention=self._attention_fn(),
+        )
+        self.requests: dict[str, Request] = {}
+        self._inflight: LaunchedStep | None = None
+        self._seed_rng = random.Random(config.seed)
+        self.timings: collections.deque[StepTiming] = collections.deque(maxlen=100_000)
+        self.tokens_generated = 0
+        self.guard_launch = False  # tests set this: launches run under sync_guard.no_host_sync()
+
+    # -- set-up helpers -------------------------------------------------------------------------
+    def _attention_fn(self):
+        backend = self.config.attention_backend
+        if backend == "auto":
+            backend = "xla"
+        if backend == "xla":
+            return None
+        from jaxoverlap import pallas_kernels
+
+        return pallas_kernels.attention_fn(backend)
+
+    def _kv_tokens_from_memory(self, params, table_width: int) -> int:
+        mc = self.model_config
+        per_token = kv_cache_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            return max(table_width, int(free * self.config.kv_cache_memory_fraction) // per_token)
+        # CPU: no memory statistics; enough for every running request at full context.
+        return min(self.config.max_running_requests * table_width, 1 << 16)
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request. Bad input raises a ValueError subclass and changes nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        old = self.requests.get(request_id)
+        if old is not None and not old.finished:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        prompt_ids = self._prompt_ids(prompt)
+        if len(prompt_ids) >= self.max_context_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context_len} "
+                f"(prompt + output), so at most {self.max_context_len - 1} prompt tokens fit"
+            )
+        if not self.scheduler.fits(len(prompt_ids)):
+            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.kv_cache_tokens}")
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are queued (max_queued_requests)")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
+        req = Request(request_id, prompt_ids, params, seed)
+        if self.tokenizer is not None:
+            req.detok = self.tokenizer.incremental_decoder(prompt_ids)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = list(prompt)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise InvalidRequestError(f"token ids must be integers, got {t!r}")
+            ids = [int(t) for t in ids]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}"
+                )
+        else:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("empty prompt")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.finished or req.abort_requested:
+            return False
+        self.scheduler.abort(req)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None or bool(self.scheduler.finished_since_last_poll)
+
+    # -- the loops --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One loop iteration; returns the output deltas it produced."""
+        if self.config.disable_overlap:
+            return self._step_normal()
+        return self._step_overlap()
+
+    def _step_overlap(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()  # decided from results up to step N-1
+        t1 = time.perf_counter()
+        launched = self._launch(batch) if batch is not None else None  # step N+1 queued behind N
+        t2 = time.perf_counter()
+        prev, self._inflight = self._inflight, launched
+        wait_s, outputs = self._process(prev)  # waits for step N only
+        self._record(batch, t1 - t0, t2 - t1, wait_s, time.perf_counter() - t2 - wait_s)
+        return outputs
+
+    def _step_normal(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()  # decided from results up to step N
+        t1 = time.perf_counter()
+        launched = self._launch(batch) if batch is not None else None
+        t2 = time.perf_counter()
+        wait_s, outputs = self._process(launched)  # waits for the step just launched
+        self._record(batch, t1 - t0, t2 - t1, wait_s, time.perf_counter() - t2 - wait_s)
+        return outputs
+
+    def _launch(self, batch) -> LaunchedStep:
+        if self.guard_launch:
+            from jaxoverlap.sync_guard import no_host_sync
+
+            with no_host_sync():
+                return self.runner.launch(batch)
+        return self.runner.launch(batch)
+
+    def _process(self, launched: LaunchedStep | None) -> tuple[float, list[RequestOutput]]:
+        wait_s = 0.0
+        updated: list[Request] = []
+        if launched is not None:
+            t = time.perf_counter()
+            tokens, logprobs = launched.fetch()
+            wait_s = time.perf_counter() - t
+            updated = self.scheduler.process(launched.batch, tokens, logprobs)
+        finished = self.scheduler.poll_finished()
+        return wait_s, self._make_outputs(updated, finished)
+
+    def _record(self, batch, prepare_s, launch_s, wait_s, process_s) -> None:
+        kind, size = (batch.kind, batch.size) if batch is not None else ("", 0)
+        self.timings.append(StepTiming(kind, size, prepare_s, launch_s, wait_s, process_s))
+
+    # -- outputs ----------------------------------------------------------------------------------
+    def _check_stop_strings(self, req: Request) -> str | None:
+        """Called for every new token: keep the request's text current and look for stop strings."""
+        if req.detok is None:
+            return None
+        req.text += req.detok.add(req.output_ids[-1])
+        stops = req.params.stop
+        if not stops:
+            return None
+        # Only the tail can hold a stop string that this token completed.
+        window = max(len(s) for s in stops) + 16
+        tail_start = max(0, len(req.text) - window)
+        hits = [i for s in stops if (i := req.text.find(s, tail_start)) >= 0]
+        if hits:
+            req.text = req.text[: min(hits)]
+            return "stop"
+        return None
+
+    def _make_outputs(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
+        outputs, seen = [], set()
+        for req in updated + finished:
+            if req.request_id in seen:
+                continue
+            seen.add(req.request_id)
+            if req.finished and req.detok is not None and req.finish_reason != "stop":
+                req.text += req.detok.flush()
+            new_ids = req.output_ids[req.num_emitted :]
+            new_lp = req.output_logprobs[req.num_emitted :] if req.params.logprobs else None
+            # Hold back text that may still turn out to begin a stop string.
+            text_end = len(req.text)
+            if not req.finished and req.params.stop:
+                text_end = max(req.num_text_emitted, len(req.text) - max(len(s) for s in req.params.stop) + 1)
+            new_text = req.text[req.num_text_emitted : text_end]
+            req.num_emitted = len(req.output_ids)
+            req.num_text_emitted = text_end
+            self.tokens_generated += len(new_ids)
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id, new_token_ids=new_ids, new_text=new_text,
+                    token_ids=list(req.output_ids), finished=req.finished, finish_reason=req.finish_reason,
+                    metrics=req.metrics, new_logprobs=new_lp,
+                )
+            )
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    # -- introspection ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = self.scheduler
+        free_tokens = s.pages.num_free * self.config.page_size
+        cached_tokens = s.prefix.num_pages * self.config.page_size
+        return {
+            "num_running": len(s.running) + (1 if s.prefilling is not None else 0),
+            "num_waiting": len(s.waiting),
+            "kv_total_tokens": self.kv_cache_tokens,
+            "kv_used_tokens": self.kv_cache_tokens - free_tokens,
+            "kv_cached_tokens": cached_tokens,
+            "kv_usage": 1.0 - free_tokens / self.kv_cache_tokens,
+            "tokens_generated": self.tokens_generated,
+            "num_retractions": s.num_retractions,
+            "num_steps": len(self.timings),
+        }
+
+    def check_integrity(self) -> None:
+        """Every page is free, cached or held by an admitted request; every entry is accounted for."""
+        self.scheduler.check_integrity()
+
+    def drain(self) -> list[RequestOutput]:
+        outputs = []
+        while self.has_work():
+            outputs.extend(self.step())
+        return outputs

@@ -1,0 +1,90 @@
+"""The Python API for notebooks and offline scripts.
+
+    from jaxoverlap import LLM, SamplingParams
+    llm = LLM("path/to/hf_checkpoint", dtype="bfloat16", max_running_requests=32)
+    results = llm.generate(["Hello"], SamplingParams(max_new_tokens=32, temperature=0))
+    print(results[0].text, results[0].metrics.time_to_first_token)
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence
+
+from jaxoverlap.config import EngineConfig
+from jaxoverlap.engine import Engine
+from jaxoverlap.outputs import GenerationResult, RequestOutput
+from jaxoverlap.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options):
+        self.engine = Engine(EngineConfig.from_options(model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _submit(self, prompts, sampling_params) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or as token ids
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except ValueError:
+            for rid in ids:  # a bad prompt rejects the whole call, and leaves nothing behind
+                self.engine.abort(rid)
+            self.engine.drain()
+            raise
+        return ids
+
+    def generate_stream(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, sampling_params=None
+    ) -> Iterator[RequestOutput]:
+        """Yield RequestOutput deltas as the engine produces them (request ids `llm-N`)."""
+        ids = set(self._submit(prompts, sampling_params))
+        while ids:
+            for out in self.engine.step():
+                if out.request_id in ids:
+                    yield out
+                    if out.finished:
+                        ids.discard(out.request_id)
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[GenerationResult]:
+        """Run prompts to completion; one GenerationResult per prompt, in order."""
+        ids = self._submit(prompts, sampling_params)
+        prompt_ids = {rid: list(self.engine.requests[rid].prompt_ids) for rid in ids}
+        texts = {rid: [] for rid in ids}
+        logprobs = {rid: [] for rid in ids}
+        results: dict[str, GenerationResult] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while len(results) < len(ids):
+            for out in self.engine.step():
+                rid = out.request_id
+                if rid not in texts:
+                    continue
+                texts[rid].append(out.new_text)
+                if out.new_logprobs is not None:
+                    logprobs[rid].extend(out.new_logprobs)
+                if out.finished:
+                    results[rid] = GenerationResult(
+                        request_id=rid, prompt_token_ids=prompt_ids[rid], token_ids=out.token_ids,
+                        text="".join(texts[rid]), finish_reason=out.finish_reason, metrics=out.metrics,
+                        logprobs=logprobs[rid] if out.new_logprobs is not None else None,
+                    )
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[rid] for rid in ids]

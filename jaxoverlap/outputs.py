@@ -1,0 +1,62 @@
+"""What the engine hands back: incremental deltas while a request runs, and final results."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    output_tokens: int = 0
+    num_steps: int = 0  # decode/speculative steps this request took part in (its results processed)
+    num_retractions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        if self.finish_time is None or self.first_token_time is None:
+            return None
+        dt = self.finish_time - self.arrival_time
+        return self.output_tokens / dt if dt > 0 else None
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens gained per step (1.0 for plain decoding; includes the bonus token)."""
+        decoded = self.output_tokens - 1  # the first token comes from prefill
+        return decoded / self.num_steps if self.num_steps else 1.0
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One update for one request: the tokens (and text) that are new since the last update."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]  # all output tokens so far
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    metrics: RequestMetrics
+    new_logprobs: list[float] | None = None
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """The final result of one prompt for `LLM.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+    logprobs: list[float] | None = None

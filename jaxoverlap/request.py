@@ -1,0 +1,71 @@
+"""Host-side state of one request: plain ints and lists with explicit names. No JAX."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxoverlap.outputs import RequestMetrics
+from jaxoverlap.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued (new, or retracted and requeued)
+    PREFILL = "prefill"  # admitted; prompt chunks still to run
+    RUNNING = "running"  # prompt done; decoding
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the effective sampling seed (the request's own, or one the engine drew)
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+
+    status: Status = Status.WAITING
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    abort_requested: bool = False
+
+    # Resources, held from admission until the request finishes or is retracted.
+    entry: int = 0  # relay entry / req_to_token row
+    pages: list[int] = dataclasses.field(default_factory=list)  # page i holds positions [i*ps, (i+1)*ps)
+    prefix_nodes: list = dataclasses.field(default_factory=list)  # locked prefix-cache nodes (pages[:n])
+
+    # Prefill progress. fill_ids is the prompt, plus the output so far after a retraction.
+    fill_ids: list[int] = dataclasses.field(default_factory=list)
+    prefill_pos: int = 0  # next position to prefill
+    # Positions whose K/V the host knows to be written once every launched prefill and
+    # every processed decode step has run. The device may be up to one window ahead.
+    kv_committed: int = 0
+    # Bumped whenever the request leaves the running set (retraction): rows of a step that
+    # was launched before carry the old epoch, and their results are dropped.
+    epoch: int = 0
+
+    # Streaming: how much of the output has been handed out.
+    num_emitted: int = 0
+    text: str = ""
+    num_text_emitted: int = 0
+    detok: object = None  # the tokenizer's incremental decoder
+
+    metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
+
+    def __post_init__(self):
+        self.metrics.arrival_time = self.arrival_time
+        self.metrics.prompt_tokens = len(self.prompt_ids)
+        self.fill_ids = list(self.prompt_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,51 @@
+"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, a per-request seed.
+
+The key of each draw is fold_in(key(seed), position of the sampled token), so a request's
+samples depend on neither the batch it ran in nor on overlap: the same seed gives the same
+tokens with and without overlap, and after a retraction.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    B, V = logits.shape
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)  # [B, V] token ids, most likely first
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    rank = jnp.arange(V)[None, :]
+    keep = rank < jnp.where(top_k > 0, top_k, V)[:, None]
+    # top-p keeps the smallest prefix whose mass reaches top_p (the first token always).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < top_p[:, None]
+    keep &= probs >= (min_p[:, None] * probs[:, :1])
+    keep = keep.at[:, 0].set(True)
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    def draw(seed, pos, row):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), pos)
+        return jax.random.categorical(key, row)
+
+    choice = jax.vmap(draw)(seeds, positions, masked)  # [B] index into the sorted order
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    """logits [B, V] float32; per-row params [B]; positions [B] of the token being sampled.
+
+    Returns (tokens [B] int32, logprobs [B] float32 of the chosen tokens under the raw model
+    distribution).
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # Skip the sort over the vocabulary when every row is greedy (the common serving case).
+    sampled = jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions),
+        lambda: greedy,
+    )
+    tokens = jnp.where(temperature > 0, sampled, greedy)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs

@@ -1,0 +1,62 @@
+"""SamplingParams: the public, per-request sampling and stopping contract."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxoverlap.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 (or -1) disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self):
+        # Accept lists (and a bare string for `stop`) from callers; store tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str):
+            raise InvalidRequestError(f"invalid sampling params: {msg}")
+
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
+            bad(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                bad(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if t < 0:
+                bad(f"stop_token_ids must be >= 0, got {t}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

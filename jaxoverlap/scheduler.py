@@ -1,0 +1,330 @@
+"""The scheduler: which requests run next, their page reservations, and the bookkeeping of
+results that are one step old. Pure Python (no JAX), so it is tested without a device.
+
+Reservation rule (the article's section 5.2): when the host prepares step N+1, step N is
+still in flight, so the device's length of a request can be one window ahead of the
+host's count (`kv_committed`), and step N+1 writes one more window. Every running row is
+therefore kept filled two windows beyond `kv_committed`, rounded up to whole pages, and
+capped at the table width (positions past the table go to the dummy slot on the device).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Callable
+
+from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
+from jaxoverlap.prefix_cache import PrefixCache
+from jaxoverlap.request import Request, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_running: int
+    chunked_prefill_size: int
+    max_prefill_requests: int
+    max_context_len: int  # a request's prompt + output never exceeds this
+    table_width: int  # columns of req_to_token (max_context_len rounded up to pages)
+    window: int = 1  # tokens a step can add to a request (1 + draft tokens when speculating)
+
+
+@dataclasses.dataclass
+class BatchRow:
+    req: Request
+    epoch: int
+    start: int = 0  # prefill: first position of the chunk
+    length: int = 1  # prefill: tokens in the chunk
+    is_last: bool = True  # prefill: the chunk ends the prompt (the sampled token counts)
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    kind: str  # "prefill" | "decode"
+    rows: list[BatchRow]
+    reservations: list[tuple[int, int, int]]  # (entry, page_index, page)
+    ctx_len: int  # the highest position any row may read, plus one
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        pages: PageAllocator,
+        entries: EntryAllocator,
+        prefix_cache: PrefixCache,
+        stop_checker: Callable[[Request], str | None] | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
+        self.cfg = cfg
+        self.pages = pages
+        self.entries = entries
+        self.prefix = prefix_cache
+        # Returns a finish reason for a request whose newest token ends it, else None.
+        self.stop_checker = stop_checker or (lambda req: None)
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.prefilling: Request | None = None  # the one request whose prompt is mid-chunk
+        self.running: list[Request] = []
+        self.finished_since_last_poll: list[Request] = []
+        self.num_retractions = 0
+
+    # -- requests in and out ------------------------------------------------------------------
+    def fits(self, prompt_len: int) -> bool:
+        """Whether a prompt can ever be admitted: its pages must fit the whole cache."""
+        return self._reserved_target(prompt_len) <= self.pages.capacity
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        """Waiting requests end at once; admitted ones at the next schedule (their rows in the
+        in-flight step, if any, are dropped when it is processed)."""
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+            self._finish(req, "abort")
+        elif not req.finished:
+            req.abort_requested = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def poll_finished(self) -> list[Request]:
+        out, self.finished_since_last_poll = self.finished_since_last_poll, []
+        return out
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """The next batch, decided from results up to the last processed step."""
+        self._apply_aborts()
+        batch = self._schedule_prefill()
+        if batch is None:
+            batch = self._schedule_decode()
+        return batch
+
+    def _apply_aborts(self) -> None:
+        for req in [r for r in self.running if r.abort_requested]:
+            self._finish(req, "abort")
+        if self.prefilling is not None and self.prefilling.abort_requested:
+            self._finish(self.prefilling, "abort")
+
+    def _reserved_target(self, num_positions: int) -> int:
+        """Pages a row needs so that positions [0, num_positions + 2 windows) are reserved."""
+        want = min(num_positions + 2 * self.cfg.window, self.cfg.table_width)
+        return _cdiv(want, self.cfg.page_size)
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.cfg.chunked_prefill_size
+        rows: list[BatchRow] = []
+        reservations: list[tuple[int, int, int]] = []
+        if self.prefilling is not None:
+            req = self.prefilling
+            self.prefilling = None
+            budget -= self._add_chunk(req, rows, budget)
+        # Headroom for the running requests' next top-ups, so admission does not force an
+        # immediate retraction.
+        headroom = len(self.running)
+        while (
+            self.waiting
+            and budget > 0
+            and self.prefilling is None
+            and len(rows) < self.cfg.max_prefill_requests
+            and len(self.running) + len(rows) < self.cfg.max_running
+            and self.entries.can_allocate()
+        ):
+            req = self.waiting[0]
+            if not self._admit(req, reservations, headroom):
+                break
+            self.waiting.popleft()
+            budget -= self._add_chunk(req, rows, budget)
+        if not rows:
+            return None
+        ctx_len = max(r.start + r.length for r in rows)
+        return ScheduledBatch("prefill", rows, reservations, ctx_len)
+
+    def _admit(self, req: Request, reservations: list, headroom: int) -> bool:
+        ps = self.cfg.page_size
+        path = self.prefix.match(req.fill_ids[:-1])  # at least one token must be computed
+        self.prefix.lock(path)
+        need = self._reserved_target(len(req.fill_ids)) - len(path)
+        short = need + headroom - self.pages.num_free
+        if short > 0:
+            self.pages.free(self.prefix.evict(short))
+        if not self.pages.can_allocate(need + headroom):
+            self.prefix.unlock(path)
+            return False
+        req.entry = self.entries.allocate()
+        new_pages = self.pages.allocate(need)
+        req.prefix_nodes = path
+        req.pages = [n.page for n in path] + new_pages
+        # The whole row is (re)written: the entry's previous owner left its slots there.
+        reservations.extend((req.entry, i, p) for i, p in enumerate(req.pages))
+        req.prefill_pos = len(path) * ps
+        req.kv_committed = req.prefill_pos
+        req.metrics.cached_prompt_tokens = max(req.metrics.cached_prompt_tokens, min(req.prefill_pos, len(req.prompt_ids)))
+        req.status = Status.PREFILL
+        return True
+
+    def _add_chunk(self, req: Request, rows: list[BatchRow], budget: int) -> int:
+        n = min(len(req.fill_ids) - req.prefill_pos, budget)
+        is_last = req.prefill_pos + n == len(req.fill_ids)
+        rows.append(BatchRow(req, req.epoch, start=req.prefill_pos, length=n, is_last=is_last))
+        req.prefill_pos += n
+        req.kv_committed = req.prefill_pos  # the launched chunk will have written these
+        if is_last:
+            # Decodable at once: the next decode step reads the relay entry this prefill
+            # writes, and the device runs the two in order.
+            req.status = Status.RUNNING
+            self.running.append(req)
+        else:
+            self.prefilling = req
+        return n
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        if not self.running:
+            return None
+        self._top_up_or_retract()
+        if not self.running:
+            return None
+        reservations: list[tuple[int, int, int]] = []
+        for req in self.running:
+            target = self._reserved_target(req.kv_committed)
+            if target > len(req.pages):
+                new = self.pages.allocate(target - len(req.pages))
+                reservations.extend((req.entry, len(req.pages) + i, p) for i, p in enumerate(new))
+                req.pages.extend(new)
+        rows = [BatchRow(req, req.epoch) for req in self.running]
+        ctx_len = min(max(len(r.pages) for r in self.running) * self.cfg.page_size, self.cfg.table_width)
+        return ScheduledBatch("decode", rows, reservations, ctx_len)
+
+    def _top_up_or_retract(self) -> None:
+        """Make sure every running row can be topped up: evict cached prefixes first, then
+        retract the requests with the fewest generated tokens."""
+
+        def shortfall() -> int:
+            need = sum(max(0, self._reserved_target(r.kv_committed) - len(r.pages)) for r in self.running)
+            return need - self.pages.num_free
+
+        short = shortfall()
+        if short > 0:
+            self.pages.free(self.prefix.evict(short))
+            short = shortfall()
+        while short > 0 and self.running:
+            if len(self.running) == 1:
+                # Even alone it does not fit: the cache is smaller than this request's context.
+                self._finish(self.running[0], "length")
+                break
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival_time))
+            self._retract(victim)
+            short = shortfall()
+
+    def _retract(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req, cache=False)
+        req.status = Status.WAITING
+        req.epoch += 1
+        # Resume by prefilling everything so far; the output is kept.
+        req.fill_ids = req.prompt_ids + req.output_ids
+        req.prefill_pos = 0
+        req.kv_committed = 0
+        req.metrics.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    # -- results ------------------------------------------------------------------------------
+    def process(self, batch: ScheduledBatch, tokens, logprobs) -> list[Request]:
+        """Bookkeeping for a step whose small outputs have reached the host.
+
+        tokens, logprobs: sequences with one value per row (padded rows are ignored). Rows
+        of requests that finished or were retracted after the launch are dropped: that is
+        the one extra step a late-detected finish costs.
+        """
+        now = time.perf_counter()
+        updated: list[Request] = []
+        for i, row in enumerate(batch.rows):
+            req = row.req
+            if req.finished or row.epoch != req.epoch or req.status is not Status.RUNNING:
+                continue
+            if batch.kind == "prefill":
+                if not row.is_last:
+                    continue
+                req.metrics.first_token_time = req.metrics.first_token_time or now
+            else:
+                req.kv_committed += 1  # the step wrote the K/V of its input token
+                req.metrics.num_steps += 1
+            req.output_ids.append(int(tokens[i]))
+            req.output_logprobs.append(float(logprobs[i]))
+            req.metrics.output_tokens = len(req.output_ids)
+            updated.append(req)
+            reason = self._check_stop(req)
+            if reason is not None:
+                self._finish(req, reason)
+        return updated
+
+    def _check_stop(self, req: Request) -> str | None:
+        tok, p = req.output_ids[-1], req.params
+        if tok in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return "stop"
+        reason = self.stop_checker(req)
+        if reason is not None:
+            return reason
+        if len(req.output_ids) >= p.max_new_tokens or req.total_len >= self.cfg.max_context_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
+        if req.status in (Status.PREFILL, Status.RUNNING):
+            self._release(req, cache=True)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.metrics.finish_time = time.perf_counter()
+        self.finished_since_last_poll.append(req)
+
+    def _release(self, req: Request, cache: bool) -> None:
+        """Give back the request's entry and pages at once. A step still in flight may write
+        into them; the device runs it before any later step that reuses them."""
+        ps = self.cfg.page_size
+        to_free = req.pages[len(req.prefix_nodes):]
+        if cache and self.prefix.enabled:
+            n_full = min(req.kv_committed, len(req.all_ids)) // ps
+            rejected = self.prefix.insert(req.all_ids[: n_full * ps], req.pages[:n_full])
+            keep = set(req.pages[:n_full]) - set(rejected)
+            to_free = [p for p in req.pages if p not in keep]
+            to_free = [p for p in to_free if p not in {n.page for n in req.prefix_nodes}]
+        self.pages.free(to_free)
+        self.prefix.unlock(req.prefix_nodes)
+        self.entries.free(req.entry)
+        req.entry, req.pages, req.prefix_nodes = 0, [], []
+
+    # -- checks -------------------------------------------------------------------------------
+    def held_pages(self) -> list[int]:
+        held = list(self.prefix.pages())
+        cached = set(held)
+        for req in self._admitted():
+            held.extend(p for p in req.pages if p not in cached)
+        return held
+
+    def _admitted(self) -> list[Request]:
+        return self.running + ([self.prefilling] if self.prefilling is not None else [])
+
+    def check_integrity(self) -> None:
+        self.prefix.check_integrity()
+        for req in self._admitted():
+            assert [n.page for n in req.prefix_nodes] == req.pages[: len(req.prefix_nodes)]
+        self.pages.check_integrity(self.held_pages())
+        self.entries.check_integrity([r.entry for r in self._admitted()])

@@ -1,0 +1,181 @@
+"""The jitted step programs: pure functions of (params, donated device state, small int arrays).
+
+The host hands a step only entry ids, its new page reservations and, for prefill, the
+prompt tokens. Each step reads lengths and input tokens from the relay, writes K/V, samples,
+writes the next tokens and lengths back into the relay, and returns the sampled tokens,
+which the host reads one step later. Donating `state` lets XLA update the KV cache, the
+relay and `req_to_token` in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxoverlap.device_state import DeviceState, Relay
+from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.params import ModelParams
+from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
+from jaxoverlap.sampling import sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutput:
+    """The small per-row results that travel to the host (asynchronously)."""
+
+    tokens: jax.Array  # [R] int32
+    logprobs: jax.Array  # [R] float32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Reservations:
+    """New pages for req_to_token: position block `page_index` of row `entry` gets `page`.
+
+    Padded to a fixed capacity with (entry 0, block 0, page 0), which rewrites the dummy
+    row with the dummy page: harmless.
+    """
+
+    entries: jax.Array  # [N] int32
+    page_index: jax.Array  # [N] int32
+    pages: jax.Array  # [N] int32
+
+
+def apply_reservations(req_to_token: jax.Array, res: Reservations, page_size: int) -> jax.Array:
+    """Write the host's new reservations into the table, as the prologue of a step.
+
+    Why there is no write-after-read hazard (the "fence" that SGLang needs, design.md
+    sections 2 and 3): this scatter is part of the program of step N+1, and all programs of
+    this process run in order on the device's queue. Step N, which may still read rows that
+    the host has since freed and handed to another request, has finished every read of the
+    table before this program starts. Donation does not break that: a donated buffer is
+    reused only after the programs that read it. No table write ever happens outside a
+    step program, so there is no other stream to fence.
+    """
+    offsets = jnp.arange(page_size, dtype=jnp.int32)
+    cols = res.page_index[:, None] * page_size + offsets  # [N, page_size] positions
+    slots = res.pages[:, None] * page_size + offsets  # [N, page_size] slot numbers
+    rows = jnp.broadcast_to(res.entries[:, None], cols.shape)
+    return req_to_token.at[rows, cols].set(slots)
+
+
+def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay:
+    # Entry 0 is shared by every padded row: keep its length at 0 so padded rows keep
+    # reading position 0 of the dummy row, whatever they wrote.
+    new_lens = jnp.where(entries == 0, 0, new_lens)
+    updates = dict(
+        seq_lens=relay.seq_lens.at[entries].set(new_lens),
+        tokens=relay.tokens.at[entries].set(new_tokens),
+    )
+    for name, value in params.items():
+        updates[name] = getattr(relay, name).at[entries].set(value)
+    return dataclasses.replace(relay, **updates)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "ctx_len", "page_size", "attention"),
+    donate_argnames=("state",),
+)
+def decode_step(
+    params: ModelParams,
+    state: DeviceState,
+    entries: jax.Array,  # [B] int32, padded rows on entry 0
+    res: Reservations,
+    *,
+    cfg: ModelConfig,
+    ctx_len: int,
+    page_size: int,
+    attention=xla_paged_attention,
+):
+    """One plain decoding step for B rows: one token per row, everything read from the relay."""
+    req_to_token = apply_reservations(state.req_to_token, res, page_size)
+    relay = state.relay
+    lens = relay.seq_lens[entries]  # [B]: the position this step writes
+    tokens = relay.tokens[entries]  # [B]: the token produced by the previous step
+    positions = lens[:, None]  # [B, 1]
+    hidden, k_cache, v_cache = forward(
+        params, cfg, state.k_cache, state.v_cache, req_to_token,
+        tokens=tokens[:, None],
+        positions=positions,
+        entries=entries,
+        q_valid=(entries != 0)[:, None],
+        kv_lens=lens + 1,
+        ctx_len=ctx_len,
+        attention=attention,
+    )
+    logits = lm_logits(params, hidden[:, 0])  # [B, V]
+    next_tokens, logprobs = sample(
+        logits, relay.temperature[entries], relay.top_k[entries], relay.top_p[entries],
+        relay.min_p[entries], relay.seed[entries], lens + 1,
+    )
+    relay = _write_relay(relay, entries, lens + 1, next_tokens)
+    state = DeviceState(k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
+    return state, StepOutput(tokens=next_tokens, logprobs=logprobs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillInputs:
+    tokens: jax.Array  # [R, Q] int32 prompt tokens of this chunk (padded with 0)
+    starts: jax.Array  # [R] int32 position of the chunk's first token
+    chunk_lens: jax.Array  # [R] int32 valid tokens in the chunk (0 for padded rows)
+    entries: jax.Array  # [R] int32
+    temperature: jax.Array  # [R] float32 sampling params, stored into the relay on admission
+    top_k: jax.Array  # [R] int32
+    top_p: jax.Array  # [R] float32
+    min_p: jax.Array  # [R] float32
+    seed: jax.Array  # [R] uint32
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "ctx_len", "page_size", "attention"),
+    donate_argnames=("state",),
+)
+def prefill_step(
+    params: ModelParams,
+    state: DeviceState,
+    inp: PrefillInputs,
+    res: Reservations,
+    *,
+    cfg: ModelConfig,
+    ctx_len: int,
+    page_size: int,
+    attention=xla_paged_attention,
+):
+    """One chunk of prompt for each of R rows, over the cached prefix of each row.
+
+    The relay entry of a row gets its length, sampling params and the token sampled after
+    the chunk; for a row whose prompt is not finished the next chunk overwrites them, and
+    no decode step reads the entry before the last chunk has run.
+    """
+    req_to_token = apply_reservations(state.req_to_token, res, page_size)
+    R, Q = inp.tokens.shape
+    offsets = jnp.arange(Q, dtype=jnp.int32)
+    positions = inp.starts[:, None] + offsets  # [R, Q]
+    q_valid = offsets[None, :] < inp.chunk_lens[:, None]
+    kv_lens = inp.starts + inp.chunk_lens
+    hidden, k_cache, v_cache = forward(
+        params, cfg, state.k_cache, state.v_cache, req_to_token,
+        tokens=inp.tokens,
+        positions=positions,
+        entries=inp.entries,
+        q_valid=q_valid,
+        kv_lens=kv_lens,
+        ctx_len=ctx_len,
+        attention=attention,
+    )
+    last = jnp.maximum(inp.chunk_lens - 1, 0)
+    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [R, D]
+    logits = lm_logits(params, last_hidden)
+    next_tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed, kv_lens)
+    relay = _write_relay(
+        state.relay, inp.entries, kv_lens, next_tokens,
+        temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p, seed=inp.seed,
+    )
+    state = DeviceState(k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
+    return state, StepOutput(tokens=next_tokens, logprobs=logprobs)

@@ -1,0 +1,106 @@
+"""ModelConfig: the shape and flags of one decoder-only transformer, read from HF `config.json`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+# HF `model_type` values we serve; Qwen2 is Qwen3 without qk-norm but with a qkv bias.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # llama3-style scaling as a frozen tuple of items (hashable, so the config can be static).
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Inverse RoPE frequencies [head_dim // 2], with llama3 scaling applied when configured."""
+        half = self.head_dim // 2
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / self.head_dim))
+        scaling = dict(self.rope_scaling or ())
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "llama3":
+            factor = float(scaling["factor"])
+            low = float(scaling.get("low_freq_factor", 1.0))
+            high = float(scaling.get("high_freq_factor", 4.0))
+            orig = float(scaling.get("original_max_position_embeddings", 8192))
+            low_wavelen, high_wavelen = orig / low, orig / high
+            wavelen = 2 * math.pi / inv
+            smooth = (orig / wavelen - low) / (high - low)
+            scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+            mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+            inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+        elif kind not in (None, "default"):
+            raise ValueError(f"unsupported rope_scaling type {kind!r}")
+        return inv.astype(np.float32)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        scaling = cfg.get("rope_scaling")
+        # transformers >= 5 may fold rope_theta into `rope_parameters`.
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if scaling is None and rope_params.get("rope_type") not in (None, "default"):
+            scaling = rope_params
+        if scaling is not None:
+            scaling = tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict))))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_path(cls, model_path: str) -> "ModelConfig":
+        with open(os.path.join(model_path, "config.json")) as f:
+            return cls.from_hf_dict(json.load(f))

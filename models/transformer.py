@@ -1,0 +1,150 @@
+"""The decoder-only transformer shared by Qwen3, Qwen2 and Llama 3.x, over a paged KV cache.
+
+One forward covers every kind of step: a batch is `R` rows of `Q` query tokens each
+(decode: Q=1; speculative verify: Q=1+k; chunked prefill: Q=chunk), every row belongs to
+one relay entry whose `req_to_token` row maps token positions to KV-cache slots.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.params import ModelParams
+
+# attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len)
+AttentionFn = Callable[..., jax.Array]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # Normalize in float32 and cast back before the weight, as the HF reference does.
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE. x: [R, Q, N, HD]; positions: [R, Q]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [R, Q, HD/2]
+    cos = jnp.cos(angles)[:, :, None, :]  # [R, Q, 1, HD/2]
+    sin = jnp.sin(angles)[:, :, None, :]
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def xla_paged_attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len):
+    """Reference attention over the paged cache with XLA gathers (the CPU path).
+
+    q: [R, Q, H, HD]; caches: [L, S, KVH, HD]; returns [R, Q, H, HD].
+    """
+    R, Q, H, HD = q.shape
+    KVH = k_cache.shape[2]
+    G = H // KVH
+    slots = req_to_token[entries, :ctx_len]  # [R, C]
+    k = k_cache[layer][slots]  # [R, C, KVH, HD]
+    v = v_cache[layer][slots]
+    qg = q.reshape(R, Q, KVH, G, HD)  # query head h uses kv head h // G
+    s = jnp.einsum("rqkgd,rckd->rkgqc", qg, k, preferred_element_type=jnp.float32) * scale
+    c = jnp.arange(ctx_len)
+    visible = (c[None, None, :] <= q_positions[:, :, None]) & (c[None, None, :] < kv_lens[:, None, None])  # [R, Q, C]
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # rows with no visible key give zeros, not NaN
+    p = jnp.exp(s - m)
+    denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    p = (p / denom).astype(v.dtype)
+    o = jnp.einsum("rkgqc,rckd->rqkgd", p, v, preferred_element_type=jnp.float32)  # [R, Q, KVH, G, HD]
+    return o.reshape(R, Q, H, HD).astype(q.dtype)
+
+
+def forward(
+    params: ModelParams,
+    cfg: ModelConfig,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    req_to_token: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    entries: jax.Array,
+    q_valid: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    ctx_len: int,
+    attention: AttentionFn = xla_paged_attention,
+):
+    """Run all layers over R rows of Q tokens, writing their K/V into the cache first.
+
+    tokens, positions, q_valid: [R, Q]; entries, kv_lens: [R]; caches [L, S, KVH, HD].
+    Returns (hidden [R, Q, D] after the final norm, k_cache, v_cache).
+    """
+    R, Q = tokens.shape
+    H, KVH, HD = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    table_width = req_to_token.shape[1]
+    # Where each new token's K/V goes. Invalid (padded) tokens and positions past the table
+    # go to slot 0 of the dummy page, which no request reads.
+    in_table = q_valid & (positions < table_width)
+    slots = jnp.where(in_table, req_to_token[entries[:, None], jnp.minimum(positions, table_width - 1)], 0)
+    slots = slots.reshape(R * Q)  # [R*Q]
+    inv_freq = cfg.rope_inv_freq()
+    scale = 1.0 / float(np.sqrt(HD))
+
+    x = params.embed[tokens]  # [R, Q, D]
+    # An unrolled loop over per-layer arrays (not lax.scan): see models/params.py.
+    for i, lw in enumerate(params.layers):
+        h = rms_norm(x, params.attn_norm[i], cfg.rms_norm_eps)
+        qkv = jnp.dot(h, lw.wqkv)  # [R, Q, (H + 2KVH) * HD]
+        if params.bqkv is not None:
+            qkv = qkv + params.bqkv[i]
+        q = qkv[..., : H * HD].reshape(R, Q, H, HD)
+        k = qkv[..., H * HD : (H + KVH) * HD].reshape(R, Q, KVH, HD)
+        v = qkv[..., (H + KVH) * HD :].reshape(R, Q, KVH, HD)
+        if params.q_norm is not None:
+            q = rms_norm(q, params.q_norm[i], cfg.rms_norm_eps)
+            k = rms_norm(k, params.k_norm[i], cfg.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        # The cache buffers are donated by the step, so these scatters update in place.
+        k_cache = k_cache.at[i, slots].set(k.reshape(R * Q, KVH, HD).astype(k_cache.dtype))
+        v_cache = v_cache.at[i, slots].set(v.reshape(R * Q, KVH, HD).astype(v_cache.dtype))
+        o = attention(q, k_cache, v_cache, i, req_to_token, entries, positions, kv_lens, scale=scale, ctx_len=ctx_len)
+        x = x + jnp.dot(o.reshape(R, Q, H * HD), lw.wo)  # [R, Q, D]
+        h = rms_norm(x, params.mlp_norm[i], cfg.rms_norm_eps)
+        gate_up = jnp.dot(h, lw.w_gate_up)  # [R, Q, 2F]
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        x = x + jnp.dot(jax.nn.silu(gate) * up, lw.w_down)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    return x, k_cache, v_cache
+
+
+def lm_logits(params: ModelParams, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V]."""
+    if params.lm_head is None:  # tied embeddings
+        return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
+    return jnp.dot(hidden, params.lm_head, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def dense_logits(params: ModelParams, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """Logits [T, V] of one sequence with a throwaway cache: a reference for tests and notebooks."""
+    T = token_ids.shape[0]
+    k_cache = jnp.zeros((cfg.num_layers, T + 1, cfg.num_kv_heads, cfg.head_dim), params.embed.dtype)
+    v_cache = jnp.zeros_like(k_cache)
+    # Entry 1 maps position p to slot p + 1 (slot 0 is the dummy).
+    req_to_token = jnp.stack([jnp.zeros((T,), jnp.int32), jnp.arange(1, T + 1, dtype=jnp.int32)])
+    hidden, _, _ = forward(
+        params, cfg, k_cache, v_cache, req_to_token,
+        tokens=token_ids[None, :],
+        positions=jnp.arange(T, dtype=jnp.int32)[None, :],
+        entries=jnp.array([1], jnp.int32),
+        q_valid=jnp.ones((1, T), bool),
+        kv_lens=jnp.array([T], jnp.int32),
+        ctx_len=T,
+    )
+    return lm_logits(params, hidden[0])
