@@ -115,6 +115,7 @@ class Engine:
         self._seed_rng = random.Random(config.seed)
         self.timings: collections.deque[StepTiming] = collections.deque(maxlen=100_000)
         self.tokens_generated = 0
+        self.overlap = not config.disable_overlap
         self.guard_launch = False  # tests set this: launches run under sync_guard.no_host_sync()
 
     # -- set-up helpers -------------------------------------------------------------------------
@@ -201,9 +202,15 @@ class Engine:
     # -- the loops --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One loop iteration; returns the output deltas it produced."""
-        if self.config.disable_overlap:
-            return self._step_normal()
-        return self._step_overlap()
+        if self.overlap:
+            return self._step_overlap()
+        return self._step_normal()
+
+    def set_overlap(self, enabled: bool) -> None:
+        """Switch loops between workloads (benchmarks compare the two in one process)."""
+        if self.has_work():
+            raise RuntimeError("switch loops only while the engine is idle")
+        self.overlap = enabled
 
     def _step_overlap(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

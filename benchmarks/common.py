@@ -1,0 +1,83 @@
+"""Shared pieces of the GPU benchmark scripts: model shapes, timing, the results table."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+# The repo is copied to the GPU machine but not installed there: map the folders onto the
+# `jaxoverlap` namespace the way pyproject.toml does.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ensure_importable() -> None:
+    try:
+        import jaxoverlap.models  # noqa: F401
+        return
+    except ImportError:
+        pass
+    import importlib.util
+
+    sys.path.insert(0, _ROOT)
+    import jaxoverlap
+
+    for sub, folder in (("models", "models"), ("pallas_kernels", "pallas_kernels"), ("server", "server")):
+        path = os.path.join(_ROOT, folder, "__init__.py")
+        spec = importlib.util.spec_from_file_location(f"jaxoverlap.{sub}", path,
+                                                      submodule_search_locations=[os.path.dirname(path)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[f"jaxoverlap.{sub}"] = mod
+        setattr(jaxoverlap, sub, mod)
+        spec.loader.exec_module(mod)
+
+
+QWEN3_8B = {
+    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "eos_token_id": 151645, "bos_token_id": 151643,
+}
+
+
+def model_dir(config: dict) -> str:
+    """A checkpoint folder holding only config.json, for load_format='dummy'."""
+    d = tempfile.mkdtemp(prefix="jaxoverlap-model-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+    return d
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)  # one read and one write per element
+    f(x).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(iters):
+        y = f(x)
+    y.block_until_ready()
+    dt = (time.perf_counter() - t) / iters
+    return 2 * nbytes / dt / 1e9
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    print("  ".join(c.rjust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in cols))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,128 @@
+"""Bad input, stop conditions and padded rows on the tiny engine."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_fixtures import VOCAB, make_engine, run_workload, tiny_config, tiny_params
+from jaxoverlap import steps
+from jaxoverlap.device_state import init_device_state
+from jaxoverlap.errors import InvalidRequestError, PromptTooLongError
+from jaxoverlap.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(top_k=-3), "top_k"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(seed=-1), "seed"),
+    ],
+)
+def test_impossible_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_rejected_and_others_keep_running():
+    eng = make_engine(max_context_len=64)
+    baseline = run_workload(make_engine(max_context_len=64), {0: [("ok", [1, 2, 3], GREEDY)]})["ok"].token_ids
+    eng.add_request("ok", [1, 2, 3], GREEDY)
+    eng.step()
+    cases = [
+        ([], InvalidRequestError, "empty prompt"),
+        ([1, VOCAB], InvalidRequestError, "outside the vocabulary"),
+        ([1, -2], InvalidRequestError, "outside the vocabulary"),
+        ([1, 2.5], InvalidRequestError, "integers"),
+        (list(range(1, 65)), PromptTooLongError, "context"),
+        ("text without a tokenizer", InvalidRequestError, "tokenizer"),
+        (None, InvalidRequestError, "string or a list"),
+    ]
+    for prompt, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            eng.add_request("bad", prompt, GREEDY)
+    with pytest.raises(InvalidRequestError, match="already running"):
+        eng.add_request("ok", [4], GREEDY)
+    assert "bad" not in eng.requests
+    finals = {o.request_id: o for o in eng.drain() if o.finished}
+    assert list(finals) == ["ok"] and finals["ok"].token_ids == baseline
+    eng.check_integrity()
+
+
+def test_prompt_longer_than_the_whole_cache():
+    eng = make_engine(kv_cache_tokens=32, max_context_len=128)
+    with pytest.raises(PromptTooLongError, match="KV cache"):
+        eng.add_request("big", list(range(1, 40)), GREEDY)
+
+
+def test_stop_token_ids_eos_and_max_new_tokens():
+    eng = make_engine()
+    free = run_workload(eng, {0: [("a", [5, 6, 7], SamplingParams(max_new_tokens=20, temperature=0.0))]})["a"]
+    assert len(free.token_ids) == 20 and free.finish_reason == "length"
+    stop_tok = free.token_ids[5]
+    first = free.token_ids.index(stop_tok)
+    out = run_workload(eng, {0: [("b", [5, 6, 7], SamplingParams(max_new_tokens=20, temperature=0.0,
+                                                                 stop_token_ids=(stop_tok,)))]})["b"]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+    # EOS from the model config stops unless ignore_eos.
+    eos_eng = make_engine(cfg=tiny_config(eos_token_ids=(stop_tok,)))
+    out = run_workload(eos_eng, {0: [("c", [5, 6, 7], SamplingParams(max_new_tokens=20, temperature=0.0))]})["c"]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+    out = run_workload(eos_eng, {0: [("d", [5, 6, 7], SamplingParams(max_new_tokens=20, temperature=0.0,
+                                                                     ignore_eos=True))]})["d"]
+    assert out.token_ids == free.token_ids
+
+
+def test_context_limit_finishes_with_length():
+    eng = make_engine(max_context_len=24)
+    out = run_workload(eng, {0: [("a", list(range(1, 21)), SamplingParams(max_new_tokens=50, temperature=0.0,
+                                                                          ignore_eos=True))]})["a"]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    eng.check_integrity()
+
+
+def test_padded_rows_never_touch_real_rows():
+    """The same decode step with and without padded rows leaves identical K/V in the real
+    requests' slots, identical relay entries and table rows; padded rows write only the
+    dummy page."""
+    cfg = tiny_config()
+    params = tiny_params(cfg)
+    ps, width = 4, 32
+    state = init_device_state(num_layers=cfg.num_layers, num_slots=16 * ps, num_kv_heads=cfg.num_kv_heads,
+                              head_dim=cfg.head_dim, dtype=jnp.float32, num_entries=5, table_width=width)
+    # Prefill entries 1 and 2 (pages 1-2 and 3-4).
+    res = steps.Reservations(np.array([1, 1, 2, 2], np.int32), np.array([0, 1, 0, 1], np.int32),
+                             np.array([1, 2, 3, 4], np.int32))
+    inp = steps.PrefillInputs(
+        tokens=np.array([[3, 4, 5, 0], [7, 8, 9, 10]], np.int32), starts=np.zeros(2, np.int32),
+        chunk_lens=np.array([3, 4], np.int32), entries=np.array([1, 2], np.int32),
+        temperature=np.zeros(2, np.float32), top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32),
+        min_p=np.zeros(2, np.float32), seed=np.zeros(2, np.uint32))
+    kw = dict(cfg=cfg, ctx_len=width, page_size=ps)
+    state, _ = steps.prefill_step(params, state, inp, res, **kw)
+    empty = steps.Reservations(*(np.zeros(8, np.int32) for _ in range(3)))
+
+    def copy(s):
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), s)
+
+    a, out_a = steps.decode_step(params, copy(state), np.array([1, 2], np.int32), empty, **kw)
+    b, out_b = steps.decode_step(params, copy(state), np.array([1, 2, 0, 0, 0, 0, 0, 0], np.int32), empty, **kw)
+    np.testing.assert_array_equal(out_a.tokens, out_b.tokens[:2])
+    real = np.arange(ps, 5 * ps)  # slots of pages 1..4
+    np.testing.assert_array_equal(np.asarray(a.k_cache)[:, real], np.asarray(b.k_cache)[:, real])
+    np.testing.assert_array_equal(np.asarray(a.v_cache)[:, real], np.asarray(b.v_cache)[:, real])
+    np.testing.assert_array_equal(np.asarray(a.k_cache)[:, 5 * ps:], np.asarray(b.k_cache)[:, 5 * ps:])
+    for f in dataclasses.fields(a.relay):
+        x, y = np.asarray(getattr(a.relay, f.name)), np.asarray(getattr(b.relay, f.name))
+        np.testing.assert_array_equal(x[1:], y[1:], err_msg=f.name)
+    np.testing.assert_array_equal(np.asarray(a.req_to_token), np.asarray(b.req_to_token))
+    assert int(np.asarray(b.relay.seq_lens)[0]) == 0
