@@ -33,19 +33,21 @@ def _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampling: bool = True):
     """logits [B, V] float32; per-row params [B]; positions [B] of the token being sampled.
+
+    `sampling` is static: the host knows whether any row of the batch samples, and passes
+    False for all-greedy batches so the program skips the sort over the vocabulary. (A
+    `lax.cond` on the device would do the same, but on GPU XLA reads a conditional's
+    predicate back to the host, which blocks the dispatch of the step until the device has
+    caught up: exactly the wait the overlap loop exists to avoid.)
 
     Returns (tokens [B] int32, logprobs [B] float32 of the chosen tokens under the raw model
     distribution).
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # Skip the sort over the vocabulary when every row is greedy (the common serving case).
-    sampled = jax.lax.cond(
-        jnp.any(temperature > 0),
-        lambda: _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions),
-        lambda: greedy,
-    )
-    tokens = jnp.where(temperature > 0, sampled, greedy)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if sampling:
+        sampled = _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions)
+        tokens = jnp.where(temperature > 0, sampled, tokens)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

@@ -1,0 +1,48 @@
+"""Backend switch for paged attention: the engine calls only `paged_attention`.
+
+Every entry point here has the signature of `reference.paged_attention_ref`
+plus keyword-only options, so the engine can pick the backend by a flag.
+"""
+
+from __future__ import annotations
+
+from .decode import MAX_ROWS, paged_decode_attention
+from .prefill import paged_prefill_attention
+from .reference import paged_attention_ref
+
+BACKENDS = ("xla", "pallas")
+
+
+def paged_window_attention(q, k_cache, v_cache, layer, req_to_token, entries,
+                           q_positions, kv_lens, *, scale, ctx_len, interpret=False, **tuning):
+    """Speculative-verify window (Q = 1 + k, causal inside the window).
+
+    The window's Q * G rows fit one program, so this is the split-K decode
+    kernel: the per-row causal mask already handles query j seeing the
+    cached prefix plus window tokens 0..j.
+    """
+    return paged_decode_attention(q, k_cache, v_cache, layer, req_to_token, entries,
+                                  q_positions, kv_lens, scale=scale, ctx_len=ctx_len,
+                                  interpret=interpret, **tuning)
+
+
+def paged_attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions,
+                    kv_lens, *, scale: float, ctx_len: int, backend: str = "xla",
+                    interpret: bool = False):
+    """Paged attention for decode, speculative window or chunked prefill.
+
+    Args: as `reference.paged_attention_ref`; backend "xla" runs that
+    reference, "pallas" the Triton kernels (interpret=True runs them in the
+    Pallas interpreter, e.g. on CPU). Decode and windows whose Q * G rows fit
+    one tile (<= MAX_ROWS) use the split-K kernel, longer Q the prefill one.
+    """
+    if backend == "xla":
+        return paged_attention_ref(q, k_cache, v_cache, layer, req_to_token, entries,
+                                   q_positions, kv_lens, scale=scale, ctx_len=ctx_len)
+    if backend != "pallas":
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    num_q, num_heads = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[2]
+    kernel = paged_decode_attention if num_q * group <= MAX_ROWS else paged_prefill_attention
+    return kernel(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens,
+                  scale=scale, ctx_len=ctx_len, interpret=interpret)

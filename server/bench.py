@@ -1,0 +1,520 @@
+"""Serving benchmark for a running jaxoverlap server (`jaxoverlap bench`).
+
+Modelled on the usual serving benchmarks (SGLang's bench_serving, JetStream's benchmark_serving):
+
+* prompts come from a ShareGPT-format JSON file (a list of {"conversations": [{"from": "human",
+  "value": ...}, {"from": "gpt", "value": ...}, ...]}; the first human turn is the prompt and the
+  reply that follows sets the output length) or are synthetic random token ids with input and
+  output lengths drawn from a fixed value ("128") or a uniform range ("64:256");
+* load is a request rate with Poisson arrivals (or "inf": everything at once) and/or a cap on
+  concurrent requests;
+* per request we time the first chunk (TTFT), the gaps between chunks (ITL), and the whole call;
+  TPOT is (latency - TTFT) / (output tokens - 1). We report throughput (output tokens/s,
+  requests/s), TTFT/TPOT/ITL/E2E (mean, median, p99) and the server-reported accept length;
+* two targets can be compared on the same prompts and arrival schedule, one after the other
+  ("sequential") or in alternating blocks ("alternating", which spreads slow drifts such as
+  thermal throttling or a shared host's noise evenly over both), with a side-by-side table.
+
+Requests default to ignore_eos=True so that every request produces exactly its planned output
+length, which is what makes two runs comparable; pass --disable-ignore-eos to let EOS stop them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from jaxoverlap.server.client import AsyncGenerationClient, Chunk
+
+
+# ---- workload -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDist:
+    """A fixed length ("128") or a uniform integer range, both ends included ("64:256")."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, spec: str | int) -> "LengthDist":
+        if isinstance(spec, int):
+            low = high = spec
+        else:
+            s = str(spec).strip()
+            for prefix in ("uniform:", "fixed:"):
+                if s.startswith(prefix):
+                    s = s[len(prefix):]
+            parts = s.split(":")
+            try:
+                if len(parts) == 1:
+                    low = high = int(parts[0])
+                elif len(parts) == 2:
+                    low, high = int(parts[0]), int(parts[1])
+                else:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"bad length spec {spec!r}: use N (fixed) or LOW:HIGH (uniform)") from None
+        if low < 1 or high < low:
+            raise ValueError(f"bad length spec {spec!r}: need 1 <= LOW <= HIGH")
+        return cls(low, high)
+
+    def sample(self, rng: random.Random) -> int:
+        return self.low if self.low == self.high else rng.randint(self.low, self.high)
+
+    def __str__(self):
+        return str(self.low) if self.low == self.high else f"{self.low}:{self.high}"
+
+
+@dataclasses.dataclass
+class BenchRequest:
+    prompt: str | list[int]
+    input_len: int  # known for synthetic prompts, estimated for ShareGPT ones
+    output_len: int
+
+
+def synthetic_requests(num: int, input_len: LengthDist, output_len: LengthDist, vocab_size: int,
+                       rng: random.Random, avoid_ids: Sequence[int] = ()) -> list[BenchRequest]:
+    """Random token-id prompts. Low ids (often special/control tokens) and `avoid_ids` are skipped."""
+    low = min(100, vocab_size // 4)
+    avoid = set(avoid_ids)
+    out = []
+    for _ in range(num):
+        n = input_len.sample(rng)
+        ids = []
+        while len(ids) < n:
+            t = rng.randrange(low, vocab_size)
+            if t not in avoid:
+                ids.append(t)
+        out.append(BenchRequest(ids, n, output_len.sample(rng)))
+    return out
+
+
+def _load_tokenizer(path: str | None):
+    if not path:
+        return None
+    from tokenizers import Tokenizer
+
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    return Tokenizer.from_file(path)
+
+
+def _count_tokens(tokenizer, text: str) -> int:
+    if tokenizer is None:
+        return max(1, len(text) // 4)  # ~4 characters per token for English text
+    return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def sharegpt_requests(path: str, num: int, rng: random.Random, tokenizer=None, output_len: int | None = None,
+                      max_input_len: int | None = None, max_output_len: int | None = None,
+                      min_len: int = 4) -> list[BenchRequest]:
+    """Sample `num` prompts from a ShareGPT JSON file (shuffled with rng; repeats if too few)."""
+    with open(path) as f:
+        data = json.load(f)
+    pairs = []
+    for entry in data:
+        conv = entry.get("conversations") or entry.get("conversation") or []
+        for i in range(len(conv) - 1):
+            if conv[i].get("from") == "human" and conv[i + 1].get("from") in ("gpt", "assistant", "chatgpt"):
+                pairs.append((conv[i].get("value", ""), conv[i + 1].get("value", "")))
+                break
+    rng.shuffle(pairs)
+    out: list[BenchRequest] = []
+    for prompt, reply in pairs:
+        if len(out) >= num:
+            break
+        if not prompt:
+            continue
+        n_in = _count_tokens(tokenizer, prompt)
+        n_out = output_len if output_len is not None else _count_tokens(tokenizer, reply)
+        if n_in < min_len or n_out < 1 or (output_len is None and n_out < min_len):
+            continue
+        if max_input_len is not None and n_in > max_input_len:
+            continue
+        if max_output_len is not None:
+            n_out = min(n_out, max_output_len)
+        out.append(BenchRequest(prompt, n_in, n_out))
+    if not out:
+        raise ValueError(f"no usable conversations in {path}")
+    while len(out) < num:  # a small file: reuse prompts (prefix caching will then show up)
+        out.append(dataclasses.replace(out[len(out) % max(1, len(out))]))
+    return out[:num]
+
+
+def arrival_offsets(num: int, request_rate: float, rng: random.Random) -> list[float]:
+    """Send times in seconds from the start: a Poisson process at request_rate, or all 0 for inf."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    if request_rate <= 0:
+        raise ValueError("request rate must be > 0 (or inf)")
+    t, out = 0.0, []
+    for _ in range(num):
+        out.append(t)
+        t += rng.expovariate(request_rate)
+    return out
+
+
+# ---- running ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    start: float = 0.0  # perf_counter at send
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    planned_output_len: int = 0
+    accept_length: float = 0.0
+    finish_reason: str = ""
+
+
+async def _one_request(client: AsyncGenerationClient, req: BenchRequest, sampling: dict,
+                       timeout: float | None) -> RequestResult:
+    r = RequestResult(planned_output_len=req.output_len)
+    r.start = last = time.perf_counter()
+    first = True
+    try:
+        async for item in client.generate(req.prompt, timeout=timeout, max_new_tokens=req.output_len, **sampling):
+            now = time.perf_counter()
+            if isinstance(item, Chunk):
+                if not item.token_ids:
+                    continue
+                if first:
+                    r.ttft = now - r.start
+                    first = False
+                else:
+                    r.itl.append(now - last)
+                last = now
+            else:
+                r.latency = now - r.start
+                r.output_tokens = item.completion_tokens
+                r.prompt_tokens = item.prompt_tokens
+                r.accept_length = item.accept_length
+                r.finish_reason = item.finish_reason
+                r.success = item.finish_reason != "abort"
+                if not r.success:
+                    r.error = "aborted"
+    except grpc.RpcError as e:
+        r.error = f"{e.code().name}: {e.details()}"
+    except Exception as e:  # noqa: BLE001 - one broken request must not end the benchmark
+        r.error = repr(e)
+    if not r.latency:
+        r.latency = time.perf_counter() - r.start
+    return r
+
+
+async def run_load(client: AsyncGenerationClient, requests: Sequence[BenchRequest], offsets: Sequence[float],
+                   sampling: dict, max_concurrency: int | None = None, timeout: float | None = None,
+                   pbar=None) -> tuple[list[RequestResult], float]:
+    """Send `requests` at `offsets` (seconds from now), at most max_concurrency at a time."""
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    t0 = time.perf_counter()
+
+    async def fire(i: int):
+        delay = offsets[i] - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if sem is None:
+            res = await _one_request(client, requests[i], sampling, timeout)
+        else:
+            async with sem:
+                res = await _one_request(client, requests[i], sampling, timeout)
+        if pbar is not None:
+            pbar.update(1)
+        return res
+
+    results = await asyncio.gather(*(fire(i) for i in range(len(requests))))
+    return list(results), time.perf_counter() - t0
+
+
+def _stats(values, scale: float = 1000.0) -> dict:
+    """mean/median/p99/std in ms (scale) of a list; zeros when empty."""
+    if not len(values):
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0, "std": 0.0}
+    a = np.asarray(values, dtype=np.float64) * scale
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99)),
+            "std": float(a.std())}
+
+
+def summarize(results: Sequence[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.success]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [g for r in ok for g in r.itl]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.success:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:10]),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": out_tokens / duration if duration > 0 else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
+        # Little's law: the average number of requests in flight.
+        "concurrency": sum(r.latency for r in ok) / duration if duration > 0 else 0.0,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats(tpots),
+        "itl_ms": _stats(itls),
+        "e2e_latency_ms": _stats([r.latency for r in ok]),
+        "accept_length": _stats([r.accept_length for r in ok], scale=1.0),
+    }
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+
+_ROWS = [
+    ("Successful requests", "completed", "{:.0f}"),
+    ("Failed requests", "failed", "{:.0f}"),
+    ("Duration (s)", "duration_s", "{:.2f}"),
+    ("Total input tokens", "total_input_tokens", "{:.0f}"),
+    ("Total output tokens", "total_output_tokens", "{:.0f}"),
+    ("Request throughput (req/s)", "request_throughput", "{:.2f}"),
+    ("Output token throughput (tok/s)", "output_throughput", "{:.2f}"),
+    ("Total token throughput (tok/s)", "total_token_throughput", "{:.2f}"),
+    ("Concurrency", "concurrency", "{:.2f}"),
+]
+_DIST_ROWS = [("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL (ms)", "itl_ms"),
+              ("E2E latency (ms)", "e2e_latency_ms"), ("Accept length", "accept_length")]
+# Whether a larger value is better, for the comparison column.
+_HIGHER_IS_BETTER = {"request_throughput", "output_throughput", "total_token_throughput", "completed", "accept_length"}
+
+
+def _flat_rows(summary: dict) -> list[tuple[str, str, float]]:
+    rows = [(label, key, float(summary[key])) for label, key, _ in _ROWS]
+    for label, key in _DIST_ROWS:
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{stat.capitalize()} {label}", f"{key}.{stat}", float(summary[key][stat])))
+    return rows
+
+
+def format_table(summaries: dict[str, dict]) -> str:
+    """One column per target; with two targets, a last column with B relative to A."""
+    labels = list(summaries)
+    per = {name: _flat_rows(s) for name, s in summaries.items()}
+    width = max(len(r[0]) for r in next(iter(per.values())))
+    colw = max(14, *(len(n) for n in labels))
+    head = f"{'Metric':<{width}}  " + "  ".join(f"{n:>{colw}}" for n in labels)
+    if len(labels) == 2:
+        rel = f"vs {labels[0]}"  # the second target relative to the first
+        relw = max(9, len(rel))
+        head += f"  {rel:>{relw}}"
+    lines = ["=" * len(head), head, "-" * len(head)]
+    for i, (label, key, _) in enumerate(per[labels[0]]):
+        vals = [per[n][i][2] for n in labels]
+        line = f"{label:<{width}}  " + "  ".join(f"{v:>{colw}.2f}" for v in vals)
+        if len(labels) == 2:
+            a, b = vals
+            line += f"  {(b / a - 1) * 100:>+{relw - 1}.1f}%" if a else f"  {'':>{relw}}"
+        lines.append(line)
+    lines.append("=" * len(head))
+    return "\n".join(lines)
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    targets: list[str]
+    labels: list[str] | None = None
+    dataset: str = "random"  # "random" or a path to a ShareGPT JSON file
+    num_prompts: int = 200
+    input_len: str = "256"
+    output_len: str = "128"
+    sharegpt_output_len: int | None = None
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+    tokenizer: str | None = None
+    request_rate: float = float("inf")
+    max_concurrency: int | None = None
+    compare_mode: str = "alternating"  # or "sequential"
+    rounds: int = 4
+    warmup_requests: int = 2
+    seed: int = 0
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    ignore_eos: bool = True
+    timeout: float | None = None
+    token: str | None = None
+    tls_ca: str | None = None
+    tls: bool = False
+    output_file: str | None = None
+    save_requests: bool = False
+    progress: bool = True
+
+
+def build_requests(cfg: BenchConfig, vocab_size: int, eos_ids: Sequence[int]) -> list[BenchRequest]:
+    rng = random.Random(cfg.seed)
+    if cfg.dataset == "random":
+        return synthetic_requests(cfg.num_prompts, LengthDist.parse(cfg.input_len), LengthDist.parse(cfg.output_len),
+                                  vocab_size, rng, avoid_ids=eos_ids)
+    return sharegpt_requests(cfg.dataset, cfg.num_prompts, rng, tokenizer=_load_tokenizer(cfg.tokenizer),
+                             output_len=cfg.sharegpt_output_len, max_input_len=cfg.max_input_len,
+                             max_output_len=cfg.max_output_len)
+
+
+async def benchmark(cfg: BenchConfig) -> dict:
+    if not cfg.targets or len(cfg.targets) > 2:
+        raise ValueError("give one target, or two to compare")
+    if cfg.compare_mode not in ("alternating", "sequential"):
+        raise ValueError("compare_mode must be 'alternating' or 'sequential'")
+    labels = cfg.labels or (["A", "B"][: len(cfg.targets)] if len(cfg.targets) == 2 else ["result"])
+    if len(labels) != len(cfg.targets):
+        raise ValueError("give one label per target")
+    clients = [AsyncGenerationClient(t, token=cfg.token, tls_ca=cfg.tls_ca, tls=cfg.tls) for t in cfg.targets]
+    try:
+        infos = [await c.model_info(timeout=30) for c in clients]
+        if len(infos) == 2 and infos[0]["vocab_size"] != infos[1]["vocab_size"]:
+            print(f"warning: the two servers have different vocabularies ({infos[0]['vocab_size']} vs "
+                  f"{infos[1]['vocab_size']}); token-id prompts are generated for the smaller", file=sys.stderr)
+        vocab = min(i["vocab_size"] for i in infos)
+        eos = sorted({t for i in infos for t in i["eos_token_ids"]})
+        requests = build_requests(cfg, vocab, eos)
+        offsets = arrival_offsets(len(requests), cfg.request_rate, random.Random(cfg.seed + 1))
+        sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                    "ignore_eos": cfg.ignore_eos}
+
+        for c in clients:  # compile/caches warm, outside the timed region
+            warm = [dataclasses.replace(r, output_len=min(r.output_len, 16)) for r in requests[: cfg.warmup_requests]]
+            if warm:
+                await run_load(c, warm, [0.0] * len(warm), sampling, timeout=cfg.timeout)
+
+        # Blocks of (start, end) indices: the whole list for one target or sequential mode.
+        n = len(requests)
+        if len(clients) == 2 and cfg.compare_mode == "alternating":
+            rounds = max(1, min(cfg.rounds, n))
+            bounds = [round(i * n / rounds) for i in range(rounds + 1)]
+            blocks = list(zip(bounds[:-1], bounds[1:]))
+        else:
+            blocks = [(0, n)]
+        pbar = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            pbar = tqdm(total=n * len(clients), desc="bench", unit="req", file=sys.stderr)
+        results: list[list[RequestResult]] = [[] for _ in clients]
+        durations = [0.0 for _ in clients]
+        for b, (lo, hi) in enumerate(blocks):
+            # Swap the order every block so neither target always runs first.
+            order = list(range(len(clients))) if b % 2 == 0 else list(reversed(range(len(clients))))
+            if len(blocks) == 1:
+                order = list(range(len(clients)))
+            for k in order:
+                base = offsets[lo]
+                res, dur = await run_load(clients[k], requests[lo:hi], [o - base for o in offsets[lo:hi]], sampling,
+                                          cfg.max_concurrency, cfg.timeout, pbar)
+                results[k].extend(res)
+                durations[k] += dur
+        if pbar is not None:
+            pbar.close()
+    finally:
+        for c in clients:
+            await c.close()
+
+    summaries = {label: summarize(res, dur) for label, res, dur in zip(labels, results, durations)}
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
+                   for k, v in dataclasses.asdict(cfg).items() if k not in ("token",)},
+        "targets": {label: {"target": t, "model": i} for label, t, i in zip(labels, cfg.targets, infos)},
+        "results": summaries,
+    }
+    if cfg.save_requests:
+        report["requests"] = {label: [dataclasses.asdict(r) for r in res] for label, res in zip(labels, results)}
+    return report
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    p.add_argument("--target", action="append", default=None, metavar="HOST:PORT",
+                   help="server to measure (default 127.0.0.1:50051); give it twice to compare two servers")
+    p.add_argument("--label", action="append", default=None, help="name of each target in the report")
+    p.add_argument("--dataset", default="random",
+                   help="'random' (synthetic token ids) or the path of a ShareGPT-format JSON file")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--input-len", default="256", help="synthetic prompt length: N or LOW:HIGH (uniform)")
+    p.add_argument("--output-len", default="128", help="synthetic output length: N or LOW:HIGH (uniform)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="fixed output length for ShareGPT prompts (default: the length of the recorded reply)")
+    p.add_argument("--max-input-len", type=int, default=None, help="skip ShareGPT prompts longer than this")
+    p.add_argument("--max-output-len", type=int, default=None, help="cap ShareGPT output lengths")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json (or a folder with one) to count ShareGPT tokens; default ~4 chars/token")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf sends everything at once (default)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--compare-mode", choices=("alternating", "sequential"), default="alternating",
+                   help="with two targets: alternate blocks of the workload, or run all of A then all of B")
+    p.add_argument("--rounds", type=int, default=4, help="blocks in alternating mode")
+    p.add_argument("--warmup-requests", type=int, default=2, help="untimed requests sent to each target first")
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--disable-ignore-eos", action="store_true", help="let EOS end requests early")
+    p.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds")
+    p.add_argument("--token", default=os.environ.get("JAXOVERLAP_AUTH_TOKEN"),
+                   help="bearer token (default: $JAXOVERLAP_AUTH_TOKEN)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to connect with TLS")
+    p.add_argument("--tls", action="store_true", help="connect with TLS using the system's roots")
+    p.add_argument("--output-file", default=None,
+                   help="JSON result file (default results/bench-<date>.json; '-' for none)")
+    p.add_argument("--save-requests", action="store_true", help="also store every request's timings in the file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(args) -> BenchConfig:
+    return BenchConfig(
+        targets=args.target or ["127.0.0.1:50051"], labels=args.label, dataset=args.dataset,
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        sharegpt_output_len=args.sharegpt_output_len, max_input_len=args.max_input_len,
+        max_output_len=args.max_output_len, tokenizer=args.tokenizer, request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency, compare_mode=args.compare_mode, rounds=args.rounds,
+        warmup_requests=args.warmup_requests, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, ignore_eos=not args.disable_ignore_eos, timeout=args.request_timeout, token=args.token,
+        tls_ca=args.tls_ca, tls=args.tls, output_file=args.output_file, save_requests=args.save_requests,
+        progress=not args.no_progress)
+
+
+def run_bench(args) -> int:
+    cfg = config_from_args(args)
+    # Validate the length specs before connecting, so typos fail fast.
+    LengthDist.parse(cfg.input_len)
+    LengthDist.parse(cfg.output_len)
+    report = asyncio.run(benchmark(cfg))
+    print(format_table(report["results"]))
+    path = cfg.output_file
+    if path is None:
+        path = os.path.join("results", f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    if path != "-":
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {path}")
+    failed = sum(s["failed"] for s in report["results"].values())
+    return 1 if failed and not any(s["completed"] for s in report["results"].values()) else 0

@@ -1,0 +1,235 @@
+"""The `serve`, `client` and `bench` subcommands, for jaxoverlap/cli.py to wire up.
+
+    add_serve_args(parser);  run_serve(args, engine_options) -> int
+    add_client_args(parser); run_client(args) -> int
+    add_bench_args(parser);  run_bench(args) -> int
+
+`engine_options` is the dict of EngineConfig fields from the CLI's shared engine arguments,
+including "model" (None serves the embedded default model). Options this module adds are skipped
+when the parser already has a flag of that name (e.g. a shared `--max-queued-requests`), so the
+shared engine arguments may be added before or after these.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from jaxoverlap.server import bench as _bench
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50051
+
+
+def _add(parser: argparse.ArgumentParser, *flags, **kw):
+    if any(f in parser._option_string_actions for f in flags):  # noqa: SLF001 - argparse has no public query
+        return None
+    return parser.add_argument(*flags, **kw)
+
+
+def _read_token(args) -> str | None:
+    token = getattr(args, "auth_token", None)
+    path = getattr(args, "auth_token_file", None)
+    if path:
+        with open(path) as f:
+            token = f.read().strip()
+    return token or None
+
+
+# ---- serve --------------------------------------------------------------------------------------
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("server")
+    _add(g, "--host", default="127.0.0.1",
+         help="address to listen on (default 127.0.0.1; 0.0.0.0 or [::] to accept remote clients)")
+    _add(g, "--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)")
+    _add(g, "--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
+    _add(g, "--tls-key", default=None, help="PEM private key for --tls-cert")
+    _add(g, "--auth-token", default=os.environ.get("JAXOVERLAP_AUTH_TOKEN"),
+         help="require 'authorization: Bearer <token>' (default: $JAXOVERLAP_AUTH_TOKEN; health stays open)")
+    _add(g, "--auth-token-file", default=None, help="read the bearer token from this file")
+    _add(g, "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    _add(g, "--metrics-host", default=None, help="address for the metrics endpoint (default: --host)")
+    _add(g, "--max-queued-requests", type=int, default=None,
+         help="reject Generate with RESOURCE_EXHAUSTED beyond max_running_requests + this many in flight")
+    _add(g, "--shutdown-grace", type=float, default=30.0,
+         help="seconds to let in-flight requests finish on SIGTERM/SIGINT (default 30)")
+    _add(g, "--no-warmup", action="store_true", help="skip the compile warmup request before serving")
+    return parser
+
+
+def run_serve(args, engine_options: dict) -> int:
+    """Build the engine from engine_options, serve it until SIGINT/SIGTERM, shut down gracefully."""
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.server.engine_worker import EngineWorker
+
+    if not logging.getLogger().handlers:  # warnings of the server (drain, engine death) on stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts = dict(engine_options)
+    model = opts.pop("model", None)
+    # --max-queued-requests shares its name with an EngineConfig field, so the CLI's option
+    # collector hands it over here too. It is the server's admission limit (in flight beyond
+    # max_running_requests); the engine's own limit counts requests waiting between two steps,
+    # which a burst of arrivals exceeds easily, so the engine keeps its default.
+    server_max_queued = opts.pop("max_queued_requests", None)
+    config = EngineConfig.from_options(model, **opts)
+
+    def build():
+        from jaxoverlap.engine import Engine
+
+        return Engine(config)
+
+    worker = EngineWorker(engine_factory=build, warmup=not getattr(args, "no_warmup", False))
+    t0 = time.perf_counter()
+    print(f"loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
+    worker.start()
+    print(f"engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    max_queued = getattr(args, "max_queued_requests", None)
+    if max_queued is None:
+        max_queued = server_max_queued
+    try:
+        asyncio.run(_serve(args, worker, max_queued))
+    finally:
+        worker.stop()
+    return 0
+
+
+async def _serve(args, worker, max_queued) -> None:
+    from jaxoverlap.server.grpc_server import GenerationServer
+
+    server = GenerationServer(
+        worker, host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        auth_token=_read_token(args), metrics_port=args.metrics_port or None, metrics_host=args.metrics_host,
+        max_queued_requests=max_queued, owns_worker=True)
+    await server.start()
+    scheme = "TLS" if args.tls_cert else "plaintext"
+    print(f"serving on {args.host}:{server.port} ({scheme}{', token auth' if server.auth_token else ''})"
+          + (f"; metrics on http://{server.metrics_host}:{server.metrics_port}/metrics" if server.metrics_port else ""),
+          file=sys.stderr, flush=True)
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task] = []
+
+    def on_signal(signame):
+        if not stopping:
+            print(f"{signame}: draining for up to {args.shutdown_grace:.0f}s (again to stop now)", file=sys.stderr,
+                  flush=True)
+            stopping.append(loop.create_task(server.stop(args.shutdown_grace)))
+        else:
+            server.force_stop()  # a second signal: cancel what is left right away
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix or not the main thread
+            pass
+    await server.wait_for_termination()
+    for t in stopping:
+        await t
+
+
+# ---- client -------------------------------------------------------------------------------------
+
+
+def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _add(parser, "prompt", nargs="?", default=None, help="prompt text (or use --token-ids)")
+    g = parser.add_argument_group("connection")
+    _add(g, "--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="server address host:port")
+    _add(g, "--token", default=os.environ.get("JAXOVERLAP_AUTH_TOKEN"),
+         help="bearer token (default: $JAXOVERLAP_AUTH_TOKEN)")
+    _add(g, "--tls-ca", default=None, help="CA certificate (PEM) to connect with TLS")
+    _add(g, "--tls", action="store_true", help="connect with TLS using the system's roots")
+    _add(g, "--tls-server-name", default=None, help="name to check the server certificate against")
+    _add(g, "--timeout", type=float, default=None, help="deadline of the call in seconds")
+    g = parser.add_argument_group("request")
+    _add(g, "--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+    _add(g, "--request-id", default=None)
+    _add(g, "--max-new-tokens", type=int, default=None)
+    _add(g, "--temperature", type=float, default=None)
+    _add(g, "--top-k", type=int, default=None)
+    _add(g, "--top-p", type=float, default=None)
+    _add(g, "--min-p", type=float, default=None)
+    _add(g, "--seed", type=int, default=None)
+    _add(g, "--stop", action="append", default=None, help="stop string (repeatable)")
+    _add(g, "--stop-token-ids", default=None, help="comma-separated stop token ids")
+    _add(g, "--ignore-eos", action="store_true", default=None)
+    _add(g, "--logprobs", action="store_true", default=None)
+    g = parser.add_argument_group("other calls (instead of generating)")
+    _add(g, "--info", action="store_true", help="print model and server info as JSON")
+    _add(g, "--health", action="store_true", help="print the health status")
+    _add(g, "--abort", metavar="REQUEST_ID", default=None, help="abort a running request")
+    _add(g, "--json", action="store_true", help="print the final result as JSON instead of streaming text")
+    return parser
+
+
+def _ids(text: str | None):
+    if not text:
+        return None
+    return [int(t) for t in text.replace(" ", "").split(",") if t]
+
+
+def run_client(args) -> int:
+    import grpc
+
+    from jaxoverlap.server.client import Chunk, GenerationClient
+
+    client = GenerationClient(args.target, token=args.token, tls_ca=args.tls_ca, tls=args.tls,
+                              tls_server_name=args.tls_server_name, timeout=args.timeout)
+    try:
+        if args.health:
+            print(client.health())
+            return 0
+        if args.info:
+            print(json.dumps({"model": client.model_info(), "server": client.server_info()}, indent=2))
+            return 0
+        if args.abort:
+            client.abort(args.abort)
+            print(f"aborted {args.abort}")
+            return 0
+        token_ids = _ids(args.token_ids)
+        if (args.prompt is None) == (token_ids is None):
+            print("give a prompt or --token-ids (one of them)", file=sys.stderr)
+            return 2
+        sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                        stop_token_ids=_ids(args.stop_token_ids), ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+        prompt = args.prompt if token_ids is None else token_ids
+        if args.json:
+            r = client.generate_text(prompt, request_id=args.request_id, **sampling)
+            print(json.dumps(r.__dict__, indent=2))
+            return 0
+        done = None
+        for item in client.generate(prompt, request_id=args.request_id, **sampling):
+            if isinstance(item, Chunk):
+                sys.stdout.write(item.text)
+                sys.stdout.flush()
+            else:
+                done = item
+        sys.stdout.write("\n")
+        if done is not None:
+            print(f"[{done.finish_reason}] prompt {done.prompt_tokens} tokens ({done.cached_tokens} cached), "
+                  f"output {done.completion_tokens} tokens, TTFT {done.time_to_first_token * 1000:.1f} ms, "
+                  f"accept length {done.accept_length:.2f}", file=sys.stderr)
+        return 0
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+
+
+# ---- bench --------------------------------------------------------------------------------------
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return _bench.add_bench_args(parser)
+
+
+def run_bench(args) -> int:
+    return _bench.run_bench(args)

@@ -1,0 +1,289 @@
+"""Python client for the jaxoverlap gRPC server (sync `GenerationClient`, asyncio `AsyncGenerationClient`).
+
+    from jaxoverlap.server.client import GenerationClient
+
+    with GenerationClient("127.0.0.1:50051", token=None, tls_ca=None) as c:
+        for item in c.generate("Hello", max_new_tokens=32, temperature=0):
+            print(item)                        # Chunk(...) ... then one Completion(...)
+        result = c.generate_text([1, 2, 3], max_new_tokens=8)   # token ids work too
+        print(result.text, result.finish_reason, c.model_info(), c.health())
+
+Errors arrive as grpc.RpcError (`.code()`, `.details()`), e.g. INVALID_ARGUMENT for bad input.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxoverlap.server import jaxoverlap_pb2 as pb
+from jaxoverlap.server import jaxoverlap_pb2_grpc as pb_grpc
+
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "logprobs")
+
+
+@dataclasses.dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    finish_reason: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    accept_length: float
+    time_to_first_token: float
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    accept_length: float
+    time_to_first_token: float
+    logprobs: list[float] | None = None
+
+
+def build_request(prompt: str | Sequence[int], request_id: str | None = None, **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest for a text prompt or a sequence of token ids; None sampling values stay unset."""
+    unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown sampling options {unknown}; known: {list(SAMPLING_FIELDS)}")
+    sp = pb.SamplingParams()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name == "stop":
+            sp.stop.extend([value] if isinstance(value, str) else list(value))
+        elif name == "stop_token_ids":
+            sp.stop_token_ids.extend(int(t) for t in value)
+        else:
+            setattr(sp, name, value)
+    req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=sp)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    return req
+
+
+def parse_response(resp: pb.GenerateResponse) -> Chunk | Completion:
+    if resp.WhichOneof("response") == "chunk":
+        c = resp.chunk
+        return Chunk(list(c.token_ids), c.text, list(c.logprobs) or None)
+    c = resp.complete
+    return Completion(c.request_id, c.finish_reason, list(c.token_ids), c.usage.prompt_tokens,
+                      c.usage.completion_tokens, c.usage.cached_tokens, c.accept_length, c.time_to_first_token)
+
+
+def _result(chunks: list[Chunk], done: Completion) -> GenerateResult:
+    logprobs = [lp for c in chunks for lp in (c.logprobs or ())]
+    return GenerateResult(done.request_id, "".join(c.text for c in chunks), done.token_ids, done.finish_reason,
+                          done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.accept_length,
+                          done.time_to_first_token, logprobs or None)
+
+
+def _model_info(r: pb.GetModelInfoResponse) -> dict:
+    return {"model_name": r.model_name, "vocab_size": r.vocab_size, "max_context_len": r.max_context_len,
+            "eos_token_ids": list(r.eos_token_ids), "speculative_algorithm": r.speculative_algorithm}
+
+
+def _server_info(r: pb.GetServerInfoResponse) -> dict:
+    return {"engine_config": json.loads(r.engine_config_json or "{}"), "running_requests": r.running_requests,
+            "queued_requests": r.queued_requests, "kv_used_tokens": r.kv_used_tokens,
+            "kv_total_tokens": r.kv_total_tokens, "kv_usage": r.kv_usage, "active_streams": r.active_streams,
+            "uptime_s": r.uptime_s, "stats": json.loads(r.stats_json or "{}"), "server_version": r.server_version}
+
+
+def _credentials(tls: bool, tls_ca: str | None):
+    if not (tls or tls_ca):
+        return None
+    root = None
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            root = f.read()
+    return grpc.ssl_channel_credentials(root_certificates=root)
+
+
+def _channel_options(tls_server_name: str | None, options) -> list:
+    opts = list(options or ())
+    if tls_server_name:
+        opts.append(("grpc.ssl_target_name_override", tls_server_name))
+    return opts
+
+
+class GenerateStream:
+    """Iterate for Chunk items then one Completion; `cancel()` ends the call (the server aborts it)."""
+
+    def __init__(self, call, request_id: str):
+        self._call = call
+        self.request_id = request_id
+
+    def __iter__(self) -> Iterator[Chunk | Completion]:
+        for resp in self._call:
+            yield parse_response(resp)
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+
+class GenerationClient:
+    """Synchronous client. target is "host:port"; token adds `authorization: Bearer <token>`;
+    tls_ca (a PEM file) or tls=True (system roots) selects TLS; tls_server_name overrides the
+    name checked against the certificate; timeout is the default per-call deadline in seconds."""
+
+    def __init__(self, target: str, token: str | None = None, tls_ca: str | None = None, *, tls: bool = False,
+                 tls_server_name: str | None = None, timeout: float | None = None, options=()):
+        creds = _credentials(tls, tls_ca)
+        opts = _channel_options(tls_server_name, options)
+        self.channel = (grpc.secure_channel(target, creds, options=opts) if creds
+                        else grpc.insecure_channel(target, options=opts))
+        self._stub = pb_grpc.GenerationStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout = timeout
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _t(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def generate(self, prompt: str | Sequence[int], *, request_id: str | None = None, timeout: float | None = None,
+                 **sampling) -> GenerateStream:
+        req = build_request(prompt, request_id, **sampling)
+        call = self._stub.Generate(req, metadata=self._metadata, timeout=self._t(timeout))
+        return GenerateStream(call, req.request_id)
+
+    def generate_text(self, prompt: str | Sequence[int], *, request_id: str | None = None,
+                      timeout: float | None = None, **sampling) -> GenerateResult:
+        chunks, done = [], None
+        for item in self.generate(prompt, request_id=request_id, timeout=timeout, **sampling):
+            if isinstance(item, Chunk):
+                chunks.append(item)
+            else:
+                done = item
+        if done is None:  # pragma: no cover - the server always ends a stream with complete or an error
+            raise RuntimeError("stream ended without a completion")
+        return _result(chunks, done)
+
+    def abort(self, request_id: str, timeout: float | None = None) -> None:
+        self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._metadata, timeout=self._t(timeout))
+
+    def model_info(self, timeout: float | None = None) -> dict:
+        return _model_info(self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata,
+                                                   timeout=self._t(timeout)))
+
+    def server_info(self, timeout: float | None = None) -> dict:
+        return _server_info(self._stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata,
+                                                     timeout=self._t(timeout)))
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """The serving status name: "SERVING", "NOT_SERVING", ... (NOT_FOUND error for unknown services)."""
+        r = self._health.Check(health_pb2.HealthCheckRequest(service=service), metadata=self._metadata,
+                               timeout=self._t(timeout) or 10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+class AsyncGenerateStream:
+    def __init__(self, call, request_id: str):
+        self._call = call
+        self.request_id = request_id
+
+    async def __aiter__(self) -> AsyncIterator[Chunk | Completion]:
+        async for resp in self._call:
+            yield parse_response(resp)
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+
+class AsyncGenerationClient:
+    """The asyncio twin of GenerationClient (same arguments); use inside a running loop."""
+
+    def __init__(self, target: str, token: str | None = None, tls_ca: str | None = None, *, tls: bool = False,
+                 tls_server_name: str | None = None, timeout: float | None = None, options=()):
+        creds = _credentials(tls, tls_ca)
+        opts = _channel_options(tls_server_name, options)
+        self.channel = (grpc.aio.secure_channel(target, creds, options=opts) if creds
+                        else grpc.aio.insecure_channel(target, options=opts))
+        self._stub = pb_grpc.GenerationStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout = timeout
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _t(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        await asyncio.wait_for(self.channel.channel_ready(), timeout)
+
+    def generate(self, prompt: str | Sequence[int], *, request_id: str | None = None, timeout: float | None = None,
+                 **sampling) -> AsyncGenerateStream:
+        req = build_request(prompt, request_id, **sampling)
+        call = self._stub.Generate(req, metadata=self._metadata, timeout=self._t(timeout))
+        return AsyncGenerateStream(call, req.request_id)
+
+    async def generate_text(self, prompt: str | Sequence[int], *, request_id: str | None = None,
+                            timeout: float | None = None, **sampling) -> GenerateResult:
+        chunks, done = [], None
+        async for item in self.generate(prompt, request_id=request_id, timeout=timeout, **sampling):
+            if isinstance(item, Chunk):
+                chunks.append(item)
+            else:
+                done = item
+        if done is None:  # pragma: no cover
+            raise RuntimeError("stream ended without a completion")
+        return _result(chunks, done)
+
+    async def abort(self, request_id: str, timeout: float | None = None) -> None:
+        await self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._metadata,
+                               timeout=self._t(timeout))
+
+    async def model_info(self, timeout: float | None = None) -> dict:
+        return _model_info(await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata,
+                                                         timeout=self._t(timeout)))
+
+    async def server_info(self, timeout: float | None = None) -> dict:
+        return _server_info(await self._stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self._metadata,
+                                                           timeout=self._t(timeout)))
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        r = await self._health.Check(health_pb2.HealthCheckRequest(service=service), metadata=self._metadata,
+                                     timeout=self._t(timeout) or 10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)

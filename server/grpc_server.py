@@ -1,0 +1,579 @@
+"""The gRPC server: jaxoverlap.v1.Generation on grpc.aio, plus health, reflection and metrics.
+
+One asyncio loop serves every call; the engine runs on the EngineWorker's thread. A Generate call
+registers an output queue with the worker, then relays RequestOutputs as `chunk`s and ends with
+one `complete`. Outputs that pile up while the client is slow are merged into one chunk, so a
+slow reader costs fewer messages, not more. When the call ends early for any reason (client
+cancel, disconnect, deadline, server shutdown) the request is aborted in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+
+import grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxoverlap.errors import InvalidRequestError, PromptTooLongError, QueueFullError
+from jaxoverlap.sampling_params import SamplingParams
+from jaxoverlap.server import jaxoverlap_pb2 as pb
+from jaxoverlap.server.engine_worker import DuplicateRequestError, EngineWorker, WorkerUnavailableError
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxoverlap.v1.Generation"
+REQUEST_ID_METADATA = "jaxoverlap-request-id"
+SERVER_VERSION = "0.1.0"
+MAX_REQUEST_ID_LEN = 256
+
+_INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
+_SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs")
+
+
+# ---- request decoding ---------------------------------------------------------------------------
+
+
+class _GenerateCall:
+    """A parsed GenerateRequest plus how many oneof `input` fields were on the wire.
+
+    Protobuf parsing keeps only the last member of a oneof, so "both text and token_ids" would
+    silently become "token_ids". We count the members in the raw bytes to reject it instead.
+    """
+
+    __slots__ = ("message", "input_fields")
+
+    def __init__(self, message, input_fields: int):
+        self.message = message
+        self.input_fields = input_fields
+
+
+def _top_level_field_numbers(raw: bytes) -> set[int]:
+    """Field numbers present at the top level of a serialized message (wire-format walk)."""
+    seen = set()
+    i, n = 0, len(raw)
+
+    def varint(i):
+        shift = value = 0
+        while True:
+            if i >= n:
+                raise ValueError("truncated varint")
+            b = raw[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return value, i
+            shift += 7
+
+    while i < n:
+        key, i = varint(i)
+        field, wire = key >> 3, key & 7
+        seen.add(field)
+        if wire == 0:
+            _, i = varint(i)
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            length, i = varint(i)
+            i += length
+        elif wire == 5:
+            i += 4
+        else:  # groups (3/4) are not used by proto3; let the real parser judge the message
+            break
+    return seen
+
+
+def _decode_generate(raw: bytes) -> _GenerateCall:
+    message = pb.GenerateRequest.FromString(raw)
+    try:
+        count = len(_top_level_field_numbers(raw) & _INPUT_FIELDS)
+    except ValueError:
+        count = 1 if message.WhichOneof("input") else 0
+    return _GenerateCall(message, count)
+
+
+def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
+    """Unset fields keep SamplingParams' defaults; raises InvalidRequestError for bad values."""
+    kw = {name: getattr(sp, name) for name in _SAMPLING_SCALARS if sp.HasField(name)}
+    if sp.stop:
+        kw["stop"] = tuple(sp.stop)
+    if sp.stop_token_ids:
+        kw["stop_token_ids"] = tuple(sp.stop_token_ids)
+    return SamplingParams(**kw)
+
+
+class _Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ---- auth ---------------------------------------------------------------------------------------
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` metadata on every method except the open ones.
+
+    Health stays open by default so that load balancers and orchestrators can probe without the
+    secret.
+    """
+
+    def __init__(self, token: str, open_prefixes: tuple[str, ...] = (f"/{grpc_health.SERVICE_NAME}/",)):
+        if not token:
+            raise ValueError("empty auth token")
+        self._expected = f"Bearer {token}".encode()
+        self._open = open_prefixes
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method or ""
+        if method.startswith(self._open) or self._authorized(handler_call_details.invocation_metadata):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        return None if handler is None else _deny_handler(handler)
+
+    def _authorized(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                # Constant time, so the token cannot be guessed byte by byte from timings.
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token "
+                            "(send metadata 'authorization: Bearer <token>')")
+
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+    return grpc.stream_stream_rpc_method_handler(deny, **kw)
+
+
+# ---- the service --------------------------------------------------------------------------------
+
+
+def _read_model_info(engine) -> dict:
+    """Static facts about the engine (run once on the engine thread)."""
+    tok = engine.tokenizer
+    mc = engine.model_config
+    # engine.eos_token_ids merges the model's and the tokenizer's; older engines may lack it.
+    eos = (getattr(engine, "eos_token_ids", None) or getattr(mc, "eos_token_ids", None)
+           or getattr(tok, "eos_token_ids", ()) or ())
+    cfg = engine.config
+    try:
+        cfg_dict = dataclasses.asdict(cfg)
+    except TypeError:
+        cfg_dict = dict(vars(cfg))
+    return {
+        "model_name": str(getattr(engine, "model_name", "") or ""),
+        "vocab_size": int(getattr(mc, "vocab_size", 0) or getattr(tok, "vocab_size", 0)),
+        "max_context_len": int(engine.max_context_len),
+        "eos_token_ids": sorted(int(t) for t in eos),
+        "speculative_algorithm": _speculative_algorithm(engine),
+        "max_running_requests": int(getattr(cfg, "max_running_requests", 0) or 0),
+        "engine_config_json": json.dumps(cfg_dict, default=str, sort_keys=True),
+    }
+
+
+def _speculative_algorithm(engine) -> str:
+    # The engine API has no fixed name for this yet; accept the likely spellings.
+    for owner in (engine, getattr(engine, "config", None)):
+        for name in ("speculative_algorithm", "spec_algorithm", "drafter", "draft_model"):
+            value = getattr(owner, name, None)
+            if value:
+                return str(value)
+    return ""
+
+
+class _OutputQueue:
+    """Per-request mailbox filled by the worker (on this loop) and drained by the handler."""
+
+    __slots__ = ("_items", "_event")
+
+    def __init__(self):
+        self._items: list = []
+        self._event = asyncio.Event()
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        self._event.set()
+
+    async def get_all(self) -> list:
+        while not self._items:
+            self._event.clear()
+            await self._event.wait()
+        items, self._items = self._items, []
+        return items
+
+
+class GenerationServicer:
+    def __init__(self, worker: EngineWorker, model_info: dict, metrics=None, max_queued_requests: int | None = None):
+        self.worker = worker
+        self.info = model_info
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.accepting = True
+        self.streams: dict[str, _OutputQueue] = {}
+        self.started = time.monotonic()
+        self.drained = asyncio.Event()
+        self.drained.set()
+
+    # -- Generate
+
+    def _prepare(self, call: _GenerateCall):
+        req = call.message
+        if not self.accepting:
+            raise _Rejected(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if call.input_fields > 1:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of text and token_ids, not both")
+        kind = req.WhichOneof("input")
+        if kind is None:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "no input: set text or token_ids")
+        if kind == "text":
+            if not req.text:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty input: text is empty")
+            prompt = req.text
+        else:
+            prompt = list(req.token_ids.ids)
+            if not prompt:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty input: token_ids is empty")
+        try:
+            params = sampling_params_from_proto(req.sampling_params)
+        except InvalidRequestError as e:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except (TypeError, ValueError) as e:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"invalid sampling params: {e}") from None
+        rid = req.request_id or uuid.uuid4().hex
+        if len(rid) > MAX_REQUEST_ID_LEN:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request_id is {len(rid)} characters long; at most {MAX_REQUEST_ID_LEN} are allowed")
+        if rid in self.streams:
+            raise _Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
+        if self.max_queued_requests is not None:
+            # Admission control on the server side, with no round trip to the engine: at most
+            # max_running_requests run and max_queued_requests wait behind them.
+            limit = self.info["max_running_requests"] + self.max_queued_requests
+            if len(self.streams) >= limit:
+                raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many queued requests: {len(self.streams)} in flight, the server admits "
+                                f"{limit} (max_running_requests + max_queued_requests={self.max_queued_requests})")
+        return rid, prompt, params
+
+    async def Generate(self, call: _GenerateCall, context):
+        t0 = time.perf_counter()
+        try:
+            rid, prompt, params = self._prepare(call)
+        except _Rejected as r:
+            await self._reject(context, r.code, r.message)
+            return
+        mailbox = _OutputQueue()
+        self.streams[rid] = mailbox
+        self.drained.clear()
+        add_future = None
+        done = False
+        try:
+            await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
+            add_future = self.worker.submit_add(rid, prompt, params, asyncio.get_running_loop(), mailbox.put)
+            try:
+                await asyncio.shield(asyncio.wrap_future(add_future))
+            except DuplicateRequestError as e:
+                await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(e))
+                return
+            except (PromptTooLongError, QueueFullError) as e:
+                await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                return
+            except InvalidRequestError as e:
+                await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                return
+            except WorkerUnavailableError as e:
+                await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e))
+                return
+            except Exception as e:  # noqa: BLE001 - an engine bug; still answer with a status
+                logger.exception("add_request(%s) failed", rid)
+                await self._reject(context, grpc.StatusCode.INTERNAL, f"engine failed to add the request: {e!r}")
+                return
+            while True:
+                items = await mailbox.get_all()
+                tokens: list[int] = []
+                texts: list[str] = []
+                logprobs: list[float] = []
+                final = None
+                for out in items:
+                    if isinstance(out, BaseException):
+                        done = True  # the worker already dropped the request
+                        await self._reject(context, grpc.StatusCode.UNAVAILABLE, f"engine failed: {out}")
+                        return
+                    tokens.extend(out.new_token_ids)
+                    if out.new_text:
+                        texts.append(out.new_text)
+                    if out.new_logprobs:
+                        logprobs.extend(out.new_logprobs)
+                    if out.finished:
+                        final = out
+                if tokens or texts:
+                    if self.metrics is not None:
+                        self.metrics.generated_tokens.inc(len(tokens))
+                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=tokens, text="".join(texts), logprobs=logprobs))
+                if final is not None:
+                    done = True
+                    self._record_finish(final, time.perf_counter() - t0)
+                    yield pb.GenerateResponse(complete=self._complete(rid, final))
+                    return
+        finally:
+            if self.streams.get(rid) is mailbox:
+                del self.streams[rid]
+            if not self.streams:
+                self.drained.set()
+            if not done and add_future is not None:
+                # The call ended before the request did (cancel, disconnect, deadline, shutdown):
+                # free its slots. If the add is still in flight, abort once it is accepted.
+                add_future.add_done_callback(lambda f: _abort_if_added(self.worker, rid, f))
+
+    @staticmethod
+    def _complete(rid: str, final) -> pb.Complete:
+        m = final.metrics
+        ttft = m.time_to_first_token
+        return pb.Complete(
+            finish_reason=final.finish_reason or "",
+            token_ids=final.token_ids,
+            usage=pb.Usage(prompt_tokens=m.prompt_tokens, completion_tokens=len(final.token_ids),
+                           cached_tokens=m.cached_prompt_tokens),
+            accept_length=float(m.accept_length),
+            time_to_first_token=float(ttft) if ttft is not None else 0.0,
+            request_id=rid,
+        )
+
+    def _record_finish(self, final, latency: float) -> None:
+        mt = self.metrics
+        if mt is None:
+            return
+        m = final.metrics
+        mt.requests.labels(final.finish_reason or "unknown").inc()
+        mt.prompt_tokens.inc(m.prompt_tokens)
+        mt.cached_tokens.inc(m.cached_prompt_tokens)
+        mt.e2e.observe(latency)
+        if m.time_to_first_token is not None:
+            mt.ttft.observe(m.time_to_first_token)
+        if m.num_steps:
+            mt.accept_length.observe(m.accept_length)
+
+    async def _reject(self, context, code: grpc.StatusCode, message: str):
+        if self.metrics is not None:
+            self.metrics.errors.labels(code.name).inc()
+        await context.abort(code, message)
+
+    # -- the unary calls
+
+    async def Abort(self, request: pb.AbortRequest, context):
+        rid = request.request_id
+        if rid not in self.streams:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request with id {rid!r}")
+        try:
+            ok = await self.worker.abort(rid)
+        except WorkerUnavailableError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if not ok:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid!r} already finished")
+        return pb.AbortResponse()
+
+    async def GetModelInfo(self, request, context):
+        i = self.info
+        return pb.GetModelInfoResponse(model_name=i["model_name"], vocab_size=i["vocab_size"],
+                                       max_context_len=i["max_context_len"], eos_token_ids=i["eos_token_ids"],
+                                       speculative_algorithm=i["speculative_algorithm"])
+
+    async def GetServerInfo(self, request, context):
+        try:
+            stats = await asyncio.wait_for(self.worker.stats(), timeout=10)
+        except (WorkerUnavailableError, asyncio.TimeoutError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine did not answer: {e!r}")
+        used = int(stats.get("kv_used_tokens", 0))
+        total = int(stats.get("kv_total_tokens", 0))
+        return pb.GetServerInfoResponse(
+            engine_config_json=self.info["engine_config_json"],
+            running_requests=int(stats.get("num_running", 0)),
+            queued_requests=int(stats.get("num_waiting", 0)),
+            kv_used_tokens=used,
+            kv_total_tokens=total,
+            kv_usage=used / total if total else 0.0,
+            active_streams=len(self.streams),
+            uptime_s=time.monotonic() - self.started,
+            stats_json=json.dumps(stats, default=str, sort_keys=True),
+            server_version=SERVER_VERSION,
+        )
+
+
+def _abort_if_added(worker: EngineWorker, rid: str, fut) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        worker.abort_nowait(rid)
+
+
+def _handlers(servicer: GenerationServicer) -> dict:
+    return {
+        # A custom deserializer for Generate (see _GenerateCall); the rest use the generated types.
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_decode_generate,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=pb.AbortRequest.FromString,
+            response_serializer=pb.AbortResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.GetModelInfoResponse.SerializeToString),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo, request_deserializer=pb.GetServerInfoRequest.FromString,
+            response_serializer=pb.GetServerInfoResponse.SerializeToString),
+    }
+
+
+# ---- lifecycle ----------------------------------------------------------------------------------
+
+
+class GenerationServer:
+    """A started EngineWorker served over gRPC. Create and use it on one asyncio loop.
+
+    host/port: where to listen (port 0 picks a free one; see `.port`). tls_cert/tls_key: PEM file
+    paths to serve TLS. auth_token: require `authorization: Bearer <token>` (health stays open).
+    metrics_port: Prometheus endpoint port (None or 0: off; -1: any free port, see
+    `.metrics_port`). max_queued_requests: reject Generate with RESOURCE_EXHAUSTED once more than
+    max_running_requests + this many calls are in flight (None: only the engine's own limit).
+    owns_worker: stop the worker in stop().
+    """
+
+    def __init__(self, worker: EngineWorker, *, host: str = "127.0.0.1", port: int = 0,
+                 tls_cert: str | None = None, tls_key: str | None = None, auth_token: str | None = None,
+                 metrics_port: int | None = None, metrics_host: str | None = None,
+                 max_queued_requests: int | None = None, owns_worker: bool = False, grpc_options=()):
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both a certificate and a key file")
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        self.worker = worker
+        self.host = host
+        self.requested_port = port
+        self.tls_cert, self.tls_key = tls_cert, tls_key
+        self.auth_token = auth_token
+        self.requested_metrics_port = metrics_port
+        self.metrics_host = metrics_host or host
+        self.max_queued_requests = max_queued_requests
+        self.owns_worker = owns_worker
+        self.grpc_options = tuple(grpc_options)
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.metrics = None
+        self.servicer: GenerationServicer | None = None
+        self.health: grpc_health.aio.HealthServicer | None = None
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+        self._force = asyncio.Event()
+        self._stopping = False
+        self._watchdog: asyncio.Future | None = None
+
+    @property
+    def active_streams(self) -> int:
+        return len(self.servicer.streams) if self.servicer else 0
+
+    async def start(self) -> "GenerationServer":
+        from jaxoverlap.server.metrics import ServerMetrics
+
+        info = await self.worker.call(_read_model_info)
+        if self.requested_metrics_port:
+            self.metrics = ServerMetrics(self.worker, self)
+        self.servicer = GenerationServicer(self.worker, info, self.metrics, self.max_queued_requests)
+        interceptors = [BearerTokenInterceptor(self.auth_token)] if self.auth_token else []
+        options = [
+            # gRPC turns SO_REUSEPORT on by default: a second server on a busy port would start
+            # "fine" and steal half the connections. Fail loudly instead.
+            ("grpc.so_reuseport", 0),
+            *self.grpc_options,
+        ]
+        server = grpc.aio.server(interceptors=interceptors, options=options)
+        handlers = _handlers(self.servicer)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        if hasattr(server, "add_registered_method_handlers"):
+            server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        self.health = grpc_health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        host = self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # a bare IPv6 address
+        address = f"{host}:{self.requested_port}"
+        if self.tls_cert:
+            with open(self.tls_cert, "rb") as f:
+                cert = f.read()
+            with open(self.tls_key, "rb") as f:
+                key = f.read()
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            port = server.add_insecure_port(address)
+        if not port:
+            raise RuntimeError(f"could not bind {address}")
+        self.port = port
+        await server.start()
+        self._server = server
+        if self.metrics is not None:
+            mport = 0 if self.requested_metrics_port < 0 else self.requested_metrics_port
+            self.metrics_port = self.metrics.serve(mport, self.metrics_host.strip("[]"))
+        serving = health_pb2.HealthCheckResponse.SERVING
+        await self.health.set("", serving)
+        await self.health.set(SERVICE_NAME, serving)
+        self._watchdog = asyncio.ensure_future(self._watch_engine())
+        logger.info("serving %s on %s:%d%s", info["model_name"], self.host, port, " (TLS)" if self.tls_cert else "")
+        return self
+
+    async def _watch_engine(self, interval: float = 0.5) -> None:
+        """Turn health NOT_SERVING if the engine thread dies, so orchestrators restart us."""
+        while self.worker.dead_error is None:
+            await asyncio.sleep(interval)
+        logger.error("engine thread died (%r): reporting NOT_SERVING", self.worker.dead_error)
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", not_serving)
+        await self.health.set(SERVICE_NAME, not_serving)
+
+    async def stop(self, grace: float = 30.0) -> None:
+        """Graceful shutdown: refuse new Generate calls, let in-flight ones finish for up to
+        `grace` seconds (health turns NOT_SERVING meanwhile, other calls still work), then cancel
+        the rest, which aborts them in the engine."""
+        if self._server is None or self._stopped.is_set():
+            return
+        if self._stopping:
+            return await self._stopped.wait()
+        self._stopping = True
+        self._watchdog.cancel()
+        self.servicer.accepting = False
+        await self.health.enter_graceful_shutdown()
+        drained = asyncio.ensure_future(self.servicer.drained.wait())
+        forced = asyncio.ensure_future(self._force.wait())
+        await asyncio.wait((drained, forced), timeout=max(0.0, grace), return_when=asyncio.FIRST_COMPLETED)
+        drained.cancel()
+        forced.cancel()
+        if self.servicer.streams:
+            logger.warning("cancelling %d requests still running after the grace period", len(self.servicer.streams))
+        # Whatever is still running is cancelled here, and each cancelled call aborts its request.
+        await self._server.stop(0.5)
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.owns_worker:
+            await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+        self._stopped.set()
+
+    def force_stop(self) -> None:
+        """Cut the drain of a stop() in progress short (e.g. on a second Ctrl-C)."""
+        self._force.set()
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()

@@ -1,0 +1,100 @@
+"""Prometheus metrics of one server, on a private registry (so several servers can share a process).
+
+Per-request metrics (tokens, TTFT, accept length, latency, outcomes) are recorded by the gRPC
+handlers on the event loop. Engine-wide gauges (queue depth, running requests, KV usage) are read
+when Prometheus scrapes, through one `engine.stats()` call run on the engine thread between two
+steps: nothing is polled while nobody scrapes, and the step loop never waits for the exporter.
+"""
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+
+
+class _EngineCollector:
+    """Gauges computed from engine.stats() at scrape time."""
+
+    def __init__(self, worker, server=None, timeout: float = 2.0):
+        self._worker = worker
+        self._server = server
+        self._timeout = timeout
+
+    def describe(self):
+        # Without describe(), registering would call collect() before the engine runs.
+        return list(self._families().values())
+
+    def _families(self):
+        return {
+            "queue": GaugeMetricFamily("jaxoverlap_queue_depth", "Requests waiting for a slot in the engine"),
+            "running": GaugeMetricFamily("jaxoverlap_running_requests", "Requests running in the engine"),
+            "kv_used": GaugeMetricFamily("jaxoverlap_kv_cache_used_tokens", "KV-cache tokens in use"),
+            "kv_total": GaugeMetricFamily("jaxoverlap_kv_cache_total_tokens", "KV-cache capacity in tokens"),
+            "kv_usage": GaugeMetricFamily("jaxoverlap_kv_cache_usage_ratio", "KV-cache tokens in use / capacity"),
+            "streams": GaugeMetricFamily("jaxoverlap_active_streams", "Generate calls in flight on the server"),
+            "up": GaugeMetricFamily("jaxoverlap_engine_up", "1 if the engine answered this scrape"),
+        }
+
+    def collect(self):
+        fams = self._families()
+        try:
+            stats = self._worker.call_sync(lambda e: e.stats(), timeout=self._timeout)
+        except Exception:  # noqa: BLE001 - a scrape must not raise; report the engine as down
+            fams["up"].add_metric([], 0)
+            yield fams["up"]
+            return
+        used = stats.get("kv_used_tokens", 0)
+        total = stats.get("kv_total_tokens", 0)
+        fams["queue"].add_metric([], stats.get("num_waiting", 0))
+        fams["running"].add_metric([], stats.get("num_running", 0))
+        fams["kv_used"].add_metric([], used)
+        fams["kv_total"].add_metric([], total)
+        fams["kv_usage"].add_metric([], used / total if total else 0.0)
+        fams["up"].add_metric([], 1)
+        if self._server is not None:
+            fams["streams"].add_metric([], self._server.active_streams)
+        else:
+            del fams["streams"]
+        yield from fams.values()
+
+
+class ServerMetrics:
+    def __init__(self, worker, server=None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        # Exported as jaxoverlap_generated_tokens_total; rate() of it is the generated tokens/s.
+        self.generated_tokens = Counter("jaxoverlap_generated_tokens", "Output tokens streamed to clients", registry=r)
+        self.prompt_tokens = Counter("jaxoverlap_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("jaxoverlap_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     registry=r)
+        self.requests = Counter("jaxoverlap_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        self.errors = Counter("jaxoverlap_request_errors", "Generate calls rejected or failed, by gRPC code", ["code"],
+                              registry=r)
+        self.ttft = Histogram("jaxoverlap_time_to_first_token_seconds", "Time to first token (engine-measured)",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxoverlap_request_latency_seconds", "Generate call duration on the server",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.accept_length = Histogram("jaxoverlap_accept_length", "Tokens gained per decode step, per request",
+                                       buckets=_ACCEPT_BUCKETS, registry=r)
+        r.register(_EngineCollector(worker, server))
+        self._http = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port (port 0 picks one)."""
+        httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = httpd
+        return httpd.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,472 @@
+"""Server, worker, client, bench and CLI glue against FakeEngine (no JAX; fast and deterministic).
+
+The same behaviours are checked against the real engine in test_server_grpc.py; here we cover
+what needs control over the engine: timing (graceful drain), crashes, thread ownership, and the
+benchmark's bookkeeping.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from jaxoverlap.config import EngineConfig
+from jaxoverlap.errors import InvalidRequestError
+from jaxoverlap.server import bench, cli_commands
+from jaxoverlap.server import jaxoverlap_pb2 as pb
+from jaxoverlap.server.client import AsyncGenerationClient, Chunk, Completion, GenerationClient, build_request
+from jaxoverlap.server.engine_worker import EngineWorker
+from jaxoverlap.server.grpc_server import _top_level_field_numbers, sampling_params_from_proto
+from jaxoverlap.server.testing import FakeEngine, ServerThread
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fake(**kw):
+    cfg = EngineConfig(max_running_requests=kw.pop("max_running_requests", 8), max_context_len=64,
+                       kv_cache_tokens=1024)
+    return FakeEngine(cfg, **kw)
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = _fake(step_delay=0.002)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker, metrics_port=-1).start()
+    client = GenerationClient(st.target, timeout=30)
+    yield engine, worker, st, client
+    client.close()
+    st.stop()
+    worker.stop()
+
+
+def _wait_idle(client, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = client.server_info()
+        if info["running_requests"] == 0 and info["queued_requests"] == 0 and info["active_streams"] == 0:
+            return info
+        time.sleep(0.02)
+    raise AssertionError(f"server not idle: {info}")
+
+
+# ---- pure functions -----------------------------------------------------------------------------
+
+
+def test_wire_scan_sees_both_oneof_members():
+    both = (pb.GenerateRequest(text="hi").SerializeToString()
+            + pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])).SerializeToString())
+    assert {2, 3} <= _top_level_field_numbers(both)
+    msg = pb.GenerateRequest.FromString(both)
+    assert msg.WhichOneof("input") == "token_ids"  # what protobuf alone would have accepted
+    one = build_request("x", max_new_tokens=3, temperature=0.5, stop=["a"]).SerializeToString()
+    assert _top_level_field_numbers(one) == {1, 2, 4}
+
+
+def test_sampling_params_defaults_and_overrides():
+    from jaxoverlap.sampling_params import SamplingParams
+
+    assert sampling_params_from_proto(pb.SamplingParams()) == SamplingParams()
+    sp = build_request("x", max_new_tokens=5, temperature=0.0, top_k=-1, seed=7, stop="END",
+                       stop_token_ids=[3], ignore_eos=True, logprobs=True).sampling_params
+    p = sampling_params_from_proto(sp)
+    assert (p.max_new_tokens, p.temperature, p.top_k, p.seed, p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs) == \
+        (5, 0.0, 0, 7, ("END",), (3,), True, True)
+    with pytest.raises(InvalidRequestError):
+        sampling_params_from_proto(build_request("x", top_p=0.0).sampling_params)
+    with pytest.raises(TypeError):
+        build_request("x", nonsense=1)
+
+
+def test_length_dist_and_arrivals():
+    import random
+
+    assert bench.LengthDist.parse("128") == bench.LengthDist(128, 128)
+    assert bench.LengthDist.parse("16:32") == bench.LengthDist(16, 32)
+    assert bench.LengthDist.parse("uniform:1:4") == bench.LengthDist(1, 4)
+    for bad in ("0", "5:3", "a", "1:2:3"):
+        with pytest.raises(ValueError):
+            bench.LengthDist.parse(bad)
+    rng = random.Random(0)
+    d = bench.LengthDist.parse("3:5")
+    assert {d.sample(rng) for _ in range(200)} == {3, 4, 5}
+    assert bench.arrival_offsets(5, float("inf"), rng) == [0.0] * 5
+    offs = bench.arrival_offsets(4000, 100.0, random.Random(1))
+    assert offs == sorted(offs) and abs(offs[-1] / 4000 - 0.01) < 0.001  # mean gap 1/rate
+
+
+def test_sharegpt_loader(tmp_path):
+    data = [
+        {"conversations": [{"from": "human", "value": "tell me a story about a cat please"},
+                           {"from": "gpt", "value": "once upon a time there was a cat " * 3}]},
+        {"conversations": [{"from": "gpt", "value": "no human turn"}]},
+        {"conversations": [{"from": "human", "value": "short reply wanted here"},
+                           {"from": "gpt", "value": "ok"}]},
+        {"conversations": [{"from": "human", "value": "what is the capital of france, briefly?"},
+                           {"from": "gpt", "value": "Paris is the capital of France."}]},
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    import random
+
+    reqs = bench.sharegpt_requests(str(path), 5, random.Random(0))
+    assert len(reqs) == 5
+    assert all(isinstance(r.prompt, str) and r.output_len >= 4 for r in reqs)  # "ok" was too short
+    assert {r.prompt for r in reqs} == {data[0]["conversations"][0]["value"], data[3]["conversations"][0]["value"]}
+    fixed = bench.sharegpt_requests(str(path), 3, random.Random(0), output_len=7, max_input_len=9)
+    assert all(r.output_len == 7 and r.input_len <= 9 for r in fixed)
+
+
+def test_summary_and_table():
+    rs = [bench.RequestResult(success=True, ttft=0.1, latency=1.1, itl=[0.1] * 9, prompt_tokens=10,
+                              output_tokens=11, accept_length=1.0),
+          bench.RequestResult(success=True, ttft=0.3, latency=1.3, itl=[0.1] * 9, prompt_tokens=10,
+                              output_tokens=11, accept_length=2.0),
+          bench.RequestResult(success=False, error="UNAVAILABLE: x")]
+    s = bench.summarize(rs, duration=2.0)
+    assert s["completed"] == 2 and s["failed"] == 1 and s["errors"] == {"UNAVAILABLE: x": 1}
+    assert s["output_throughput"] == pytest.approx(11.0)
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert s["itl_ms"]["median"] == pytest.approx(100.0)
+    assert s["accept_length"]["mean"] == pytest.approx(1.5)
+    table = bench.format_table({"A": s, "B": s})
+    assert "Output token throughput" in table and "vs A" in table and "+0.0%" in table and "Mean TTFT (ms)" in table
+
+
+# ---- the server over FakeEngine -----------------------------------------------------------------
+
+
+def test_stream_and_engine_thread_ownership(served):
+    engine, worker, st, client = served
+    items = list(client.generate("ab", max_new_tokens=6, logprobs=True))
+    chunks, done = items[:-1], items[-1]
+    assert all(isinstance(c, Chunk) for c in chunks) and isinstance(done, Completion)
+    assert [t for c in chunks for t in c.token_ids] == done.token_ids and len(done.token_ids) == 6
+    assert "".join(c.text for c in chunks) == engine.tokenizer.decode(done.token_ids)
+    assert sum(len(c.logprobs) for c in chunks) == 6
+    assert done.finish_reason == "length" and done.prompt_tokens == 2 and done.completion_tokens == 6
+    # Every engine call, stats included, ran on the worker thread.
+    client.server_info()
+    assert engine.thread_ids == {worker._thread.ident}
+
+
+def test_errors_keep_serving(served):
+    _, _, st, client = served
+    cases = [("", {}, grpc.StatusCode.INVALID_ARGUMENT), ([], {}, grpc.StatusCode.INVALID_ARGUMENT),
+             ([500], {}, grpc.StatusCode.INVALID_ARGUMENT), ("x" * 80, {}, grpc.StatusCode.RESOURCE_EXHAUSTED),
+             ("x", {"min_p": 2.0}, grpc.StatusCode.INVALID_ARGUMENT),
+             ("x", {"seed": -1}, grpc.StatusCode.INVALID_ARGUMENT)]
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate_text("x", request_id="r" * 300)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+    for prompt, kw, code in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate_text(prompt, **kw)
+        assert e.value.code() == code, (prompt, kw, e.value.details())
+        assert client.generate_text("ok", max_new_tokens=2).finish_reason == "length"
+    with pytest.raises(grpc.RpcError) as e:
+        client.abort("nope")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_engine_queue_full_maps_to_resource_exhausted():
+    engine = FakeEngine(EngineConfig(max_running_requests=1, max_context_len=64, max_queued_requests=1),
+                        step_delay=0.01)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker).start()
+    try:
+        with GenerationClient(st.target, timeout=30) as c:
+            streams = [c.generate("a", max_new_tokens=40) for _ in range(6)]
+            codes = []
+            for s in streams:
+                try:
+                    list(s)
+                    codes.append("ok")
+                except grpc.RpcError as e:
+                    codes.append(e.code())
+            assert "ok" in codes and grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    finally:
+        st.stop()
+        worker.stop()
+    engine.check_integrity()
+
+
+def test_metrics_endpoint(served):
+    _, _, st, client = served
+    client.generate_text("abc", max_new_tokens=3)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
+    for name in ("jaxoverlap_generated_tokens_total", "jaxoverlap_time_to_first_token_seconds_bucket",
+                 "jaxoverlap_accept_length_bucket", "jaxoverlap_queue_depth", "jaxoverlap_running_requests",
+                 "jaxoverlap_kv_cache_usage_ratio", 'jaxoverlap_requests_total{finish_reason="length"}',
+                 "jaxoverlap_engine_up 1.0"):
+        assert name in text, name
+    tokens = [line for line in text.splitlines() if line.startswith("jaxoverlap_generated_tokens_total")]
+    assert float(tokens[0].split()[-1]) >= 3
+
+
+def test_async_client_and_cancel(served):
+    engine, worker, st, client = served
+
+    async def main():
+        async with AsyncGenerationClient(st.target) as ac:
+            assert await ac.health() == "SERVING"
+            r = await ac.generate_text([10, 11], max_new_tokens=4)
+            assert len(r.token_ids) == 4
+            stream = ac.generate("abc", max_new_tokens=60)
+            n = 0
+            with pytest.raises(asyncio.CancelledError):
+                async for item in stream:
+                    n += 1
+                    if n == 2:
+                        stream.cancel()
+    asyncio.run(main())
+    _wait_idle(client)
+    worker.call_sync(lambda e: e.check_integrity())
+
+
+def test_graceful_shutdown_drains():
+    engine = _fake(step_delay=0.01)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker).start()
+    client = GenerationClient(st.target, timeout=30)
+    results = {}
+
+    def run(i):
+        try:
+            results[i] = client.generate_text("a", max_new_tokens=30).finish_reason
+        except grpc.RpcError as e:
+            results[i] = e.code()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while st.server.active_streams < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    stopper = threading.Thread(target=st.stop, kwargs={"grace": 10.0})
+    stopper.start()
+    while st.server.servicer.accepting and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with pytest.raises(grpc.RpcError) as e:  # refused while draining
+        client.generate_text("b", max_new_tokens=2)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    for t in threads:
+        t.join(30)
+    stopper.join(30)
+    assert results == {i: "length" for i in range(4)}  # all in-flight requests completed
+    client.close()
+    worker.stop()
+    engine.check_integrity()
+
+
+def test_shutdown_grace_expiry_aborts_the_rest():
+    engine = _fake(step_delay=0.01)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker).start()
+    client = GenerationClient(st.target, timeout=30)
+    errors = []
+
+    def run():
+        try:
+            client.generate_text("a", max_new_tokens=60)
+            errors.append(None)
+        except grpc.RpcError as e:
+            errors.append(e.code())
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 10
+    while st.server.active_streams < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    st.stop(grace=0.05)
+    t.join(30)
+    assert errors and errors[0] is not None  # cut off, not completed
+    worker.call_sync(lambda e: None)  # the abort has been handled once this returns ...
+    deadline = time.monotonic() + 5
+    while worker.call_sync(lambda e: e.has_work()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.call_sync(lambda e: e.check_integrity())
+    client.close()
+    worker.stop()
+
+
+class _CrashingEngine(FakeEngine):
+    def step(self):
+        if self.tokens_generated >= 5:
+            raise RuntimeError("device on fire")
+        return super().step()
+
+
+def test_engine_crash_fails_requests_cleanly():
+    worker = EngineWorker(_CrashingEngine(step_delay=0.001)).start()
+    st = ServerThread(worker).start()
+    try:
+        with GenerationClient(st.target, timeout=30) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate_text("a", max_new_tokens=50)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "device on fire" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:  # and later ones are refused, not hung
+                c.generate_text("a", max_new_tokens=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            deadline = time.monotonic() + 5
+            while c.health() != "NOT_SERVING" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.health() == "NOT_SERVING"
+    finally:
+        st.stop()
+        worker.stop()
+
+
+def test_worker_stop_releases_waiters():
+    engine = _fake(step_delay=0.005)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker).start()
+    client = GenerationClient(st.target, timeout=30)
+    out = []
+
+    def run():
+        try:
+            out.append(client.generate_text("a", max_new_tokens=50).finish_reason)
+        except grpc.RpcError as e:
+            out.append(e.code())
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 10
+    while st.server.active_streams < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    worker.stop()  # the engine goes away under a live stream: it ends with "abort"
+    t.join(30)
+    assert out == ["abort"]
+    engine.check_integrity()
+    st.stop()
+    client.close()
+
+
+def _self_signed_cert(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not available")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def test_tls_and_token(tmp_path):
+    cert, key = _self_signed_cert(tmp_path)
+    engine = _fake()
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker, tls_cert=cert, tls_key=key, auth_token="t0ken").start()
+    try:
+        with GenerationClient(st.target, token="t0ken", tls_ca=cert, timeout=30) as c:
+            assert c.generate_text("hi", max_new_tokens=3).finish_reason == "length"
+        with GenerationClient(st.target, tls_ca=cert, timeout=30) as c:
+            assert c.health() == "SERVING"  # open without the token
+            with pytest.raises(grpc.RpcError) as e:
+                c.model_info()
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with GenerationClient(st.target, token="t0ken", timeout=5) as c:  # plaintext to a TLS port
+            with pytest.raises(grpc.RpcError) as e:
+                c.model_info()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        st.stop()
+        worker.stop()
+
+
+# ---- bench and CLI glue -------------------------------------------------------------------------
+
+
+def test_bench_compare_two_targets(served, tmp_path, capsys):
+    _, _, st, client = served
+    parser = argparse.ArgumentParser()
+    cli_commands.add_bench_args(parser)
+    out = tmp_path / "res.json"
+    args = parser.parse_args(["--target", st.target, "--target", st.target, "--label", "left", "--label", "right",
+                              "--num-prompts", "12", "--input-len", "4:8", "--output-len", "3:6",
+                              "--max-concurrency", "4", "--request-rate", "200", "--rounds", "3",
+                              "--output-file", str(out), "--no-progress", "--save-requests"])
+    assert cli_commands.run_bench(args) == 0
+    report = json.loads(out.read_text())
+    for label in ("left", "right"):
+        r = report["results"][label]
+        assert r["completed"] == 12 and r["failed"] == 0
+        assert 12 * 3 <= r["total_output_tokens"] <= 12 * 6
+        assert r["ttft_ms"]["mean"] > 0 and r["output_throughput"] > 0
+        assert len(report["requests"][label]) == 12
+    # Same prompts and lengths on both sides.
+    assert [q["planned_output_len"] for q in report["requests"]["left"]] == \
+        [q["planned_output_len"] for q in report["requests"]["right"]]
+    printed = capsys.readouterr().out
+    assert "left" in printed and "right" in printed and "vs left" in printed
+    _wait_idle(client)
+
+
+def test_bench_sharegpt_single_target(served, tmp_path):
+    _, _, st, _ = served
+    data = [{"conversations": [{"from": "human", "value": f"question number {i} about things"},
+                               {"from": "gpt", "value": "an answer " * (2 + i)}]} for i in range(6)]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    cfg = bench.BenchConfig(targets=[st.target], dataset=str(path), num_prompts=6, max_output_len=8,
+                            max_input_len=60, progress=False, warmup_requests=1)
+    report = asyncio.run(bench.benchmark(cfg))
+    assert report["results"]["result"]["completed"] == 6
+
+
+def test_client_cli(served, capsys):
+    _, _, st, _ = served
+    parser = argparse.ArgumentParser()
+    cli_commands.add_client_args(parser)
+    assert cli_commands.run_client(parser.parse_args(["--target", st.target, "hello", "--max-new-tokens", "4"])) == 0
+    captured = capsys.readouterr()
+    assert "[length]" in captured.err and len(captured.out.strip()) == 4
+    assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--token-ids", "5,6", "--json",
+                                                      "--max-new-tokens", "2"])) == 0
+    assert json.loads(capsys.readouterr().out)["finish_reason"] == "length"
+    assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--health"])) == 0
+    assert capsys.readouterr().out.strip() == "SERVING"
+    assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--info"])) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["model_name"] == "fake-model"
+    assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--abort", "nope"])) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_lead_cli_parses_server_subcommands():
+    cli = pytest.importorskip("jaxoverlap.cli")
+    for sub in ("serve", "client", "bench"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([sub, "--help"])
+        assert e.value.code == 0
+
+
+def test_serve_args_with_shared_engine_args():
+    parser = argparse.ArgumentParser()
+    cli_commands.add_serve_args(parser)
+    parser.add_argument("--page-size", type=int, default=16)
+    args = parser.parse_args(["--port", "0", "--metrics-port", "9100", "--max-queued-requests", "5"])
+    assert (args.host, args.port, args.metrics_port, args.max_queued_requests) == ("127.0.0.1", 0, 9100, 5)
+    # A parser that already has the flag keeps its own definition.
+    p2 = argparse.ArgumentParser()
+    p2.add_argument("--max-queued-requests", type=int, default=77)
+    cli_commands.add_serve_args(p2)
+    assert p2.parse_args([]).max_queued_requests == 77
+
+
+def test_auth_token_file(tmp_path):
+    path = tmp_path / "tok"
+    path.write_text("abc\n")
+    ns = argparse.Namespace(auth_token=None, auth_token_file=str(path))
+    assert cli_commands._read_token(ns) == "abc"
+    assert os.path.exists(path)

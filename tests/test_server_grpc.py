@@ -1,0 +1,413 @@
+"""The gRPC server over the real engine and the embedded tiny model, on 127.0.0.1.
+
+One engine (and so one round of compilation) serves the whole module: the plain server, a
+token-protected one and a queue-limited one all share its EngineWorker.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+
+import grpc
+import pytest
+
+from jaxoverlap.server import jaxoverlap_pb2 as pb
+from jaxoverlap.server.client import AsyncGenerationClient, Chunk, Completion, GenerationClient
+from jaxoverlap.server.engine_worker import EngineWorker
+from jaxoverlap.server.grpc_server import SERVICE_NAME
+from jaxoverlap.server.testing import ServerThread
+
+pytestmark = pytest.mark.timeout(300)
+
+ENGINE_OPTIONS = dict(max_running_requests=16, kv_cache_tokens=4096, max_context_len=256, page_size=8)
+TOKEN = "test-token-123"
+
+
+def _model_path():
+    # The embedded default model; JAXOVERLAP_TEST_MODEL points elsewhere (e.g. a model being rebuilt).
+    path = os.environ.get("JAXOVERLAP_TEST_MODEL")
+    if path:
+        return path
+    from jaxoverlap.models import loader
+
+    if not os.path.exists(os.path.join(loader.default_model_path(), "config.json")):
+        pytest.skip("the embedded default model is not built (models/default_model)")
+    return None
+
+
+@pytest.fixture(scope="module")
+def env():
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+
+    config = EngineConfig.from_options(_model_path(), **ENGINE_OPTIONS)
+    worker = EngineWorker(engine_factory=lambda: Engine(config), warmup=True).start(timeout=240)
+    main = ServerThread(worker).start()
+    authed = ServerThread(worker, auth_token=TOKEN).start()
+    client = GenerationClient(main.target, timeout=60)
+    info = client.model_info()
+    yield {"worker": worker, "main": main, "authed": authed, "client": client, "info": info}
+    client.close()
+    for st in (main, authed):
+        st.stop(grace=2)
+    worker.stop()
+
+
+def _wait_idle(env, timeout=20.0):
+    """Poll until nothing runs or waits; then the engine must hold no leaked slot."""
+    client = env["client"]
+    deadline = time.monotonic() + timeout
+    info = None
+    while time.monotonic() < deadline:
+        info = client.server_info()
+        if not (info["running_requests"] or info["queued_requests"] or info["active_streams"]):
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError(f"server not idle after {timeout}s: {info}")
+    # has_work() stays true for one more step after an abort; let the worker finish it.
+    worker = env["worker"]
+    while worker.call_sync(lambda e: e.has_work(), timeout=10) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.call_sync(lambda e: e.check_integrity(), timeout=10)
+    return info
+
+
+def _split(items):
+    chunks = [i for i in items if isinstance(i, Chunk)]
+    dones = [i for i in items if isinstance(i, Completion)]
+    assert len(dones) == 1 and isinstance(items[-1], Completion)
+    return chunks, dones[0]
+
+
+def _ids(n, vocab, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+# ---- generate -----------------------------------------------------------------------------------
+
+
+def test_generate_text_streams(env):
+    client = env["client"]
+    items = list(client.generate("Once upon a time", max_new_tokens=12, temperature=0.0))
+    chunks, done = _split(items)
+    assert [t for c in chunks for t in c.token_ids] == done.token_ids
+    assert 1 <= len(done.token_ids) <= 12 and done.completion_tokens == len(done.token_ids)
+    assert done.finish_reason in ("stop", "length") and done.prompt_tokens > 0
+    assert done.time_to_first_token > 0 and done.accept_length >= 1.0
+    text = "".join(c.text for c in chunks)
+    assert text == client.generate_text("Once upon a time", max_new_tokens=12, temperature=0.0).text  # greedy
+
+
+def test_generate_token_ids(env):
+    client, vocab = env["client"], env["info"]["vocab_size"]
+    prompt = _ids(10, vocab, 1)
+    a = client.generate_text(prompt, max_new_tokens=9, temperature=0.0, ignore_eos=True, logprobs=True)
+    b = client.generate_text(prompt, max_new_tokens=9, temperature=0.0, ignore_eos=True)
+    assert a.finish_reason == "length" and len(a.token_ids) == 9 and a.token_ids == b.token_ids
+    assert a.prompt_tokens == 10 and len(a.logprobs) == 9 and all(lp <= 0 for lp in a.logprobs)
+    seeded = [client.generate_text(prompt, max_new_tokens=6, temperature=1.0, seed=5).token_ids for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_model_and_server_info(env):
+    client = env["client"]
+    m = env["info"]
+    assert m["vocab_size"] > 0 and m["max_context_len"] == 256 and m["model_name"]
+    assert m["speculative_algorithm"] == ""
+    s = client.server_info()
+    assert s["engine_config"]["page_size"] == 8 and s["engine_config"]["max_running_requests"] == 16
+    assert s["kv_total_tokens"] >= 4096 - 8 and 0.0 <= s["kv_usage"] <= 1.0
+    assert s["stats"]["tokens_generated"] >= 0
+
+
+def test_health_and_reflection(env):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    client = env["client"]
+    assert client.health() == "SERVING"
+    assert client.health(SERVICE_NAME) == "SERVING"
+    with pytest.raises(grpc.RpcError) as e:
+        client.health("no.such.Service")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    db = ProtoReflectionDescriptorDatabase(client.channel)
+    services = set(db.get_services())
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
+    fd = db.FindFileContainingSymbol(SERVICE_NAME)
+    assert fd.name == "jaxoverlap/v1/jaxoverlap.proto"
+    assert [m.name for m in fd.service[0].method] == ["Generate", "Abort", "GetModelInfo", "GetServerInfo"]
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def _raw_generate(channel, raw: bytes, timeout=30):
+    call = channel.unary_stream("/jaxoverlap.v1.Generation/Generate", request_serializer=lambda b: b,
+                                response_deserializer=pb.GenerateResponse.FromString)
+    return list(call(raw, timeout=timeout))
+
+
+BAD = [
+    ("empty text", "", {}, grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    ("empty ids", [], {}, grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    ("id outside vocab", [1, 10**6], {}, grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    ("negative temperature", "hi", {"temperature": -0.5}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("zero max_new_tokens", "hi", {"max_new_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+    ("top_p zero", "hi", {"top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("min_p above one", "hi", {"min_p": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, "min_p"),
+    ("negative top_k", "hi", {"top_k": -3}, grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    ("seed out of range", "hi", {"seed": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "seed"),
+    ("empty stop string", "hi", {"stop": [""]}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    ("prompt ids too long", list(range(3, 303)), {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
+    ("prompt text too long", "word " * 600, {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
+]
+
+
+@pytest.mark.parametrize("name,prompt,kw,code,word", BAD, ids=[b[0] for b in BAD])
+def test_bad_request_is_rejected_and_server_keeps_serving(env, name, prompt, kw, code, word):
+    client = env["client"]
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate_text(prompt, **kw)
+    assert e.value.code() == code and word in e.value.details(), e.value.details()
+    assert client.generate_text([5, 6, 7], max_new_tokens=2, ignore_eos=True).finish_reason == "length"
+
+
+def test_no_input_and_both_inputs(env):
+    channel = env["client"].channel
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_generate(channel, pb.GenerateRequest(request_id="none").SerializeToString())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no input" in e.value.details()
+    # Protobuf would keep only the last oneof member; a client that sets both must hear about it.
+    both = (pb.GenerateRequest(request_id="both", text="hi").SerializeToString()
+            + pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])).SerializeToString())
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_generate(channel, both)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "both" in e.value.details()
+    ok = pb.GenerateRequest(request_id="ok", token_ids=pb.TokenIds(ids=[5, 6]),
+                            sampling_params=pb.SamplingParams(max_new_tokens=2))
+    assert _raw_generate(channel, ok.SerializeToString())[-1].complete.finish_reason in ("stop", "length")
+    _wait_idle(env)
+
+
+# ---- abort, cancel, deadline --------------------------------------------------------------------
+
+
+def test_abort(env):
+    client = env["client"]
+    stream = client.generate([5, 6, 7, 8], request_id="to-abort", max_new_tokens=240, ignore_eos=True)
+    it = iter(stream)
+    first = next(it)
+    assert isinstance(first, Chunk)
+    with pytest.raises(grpc.RpcError) as e:  # the id is live: a second request may not reuse it
+        client.generate_text([5], request_id="to-abort", max_new_tokens=2)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    client.abort("to-abort")
+    rest = list(it)
+    done = rest[-1]
+    assert isinstance(done, Completion) and done.finish_reason == "abort"
+    assert len(done.token_ids) < 240
+    assert [t for c in [first, *rest[:-1]] for t in c.token_ids] == done.token_ids
+    for rid in ("to-abort", "never-existed"):
+        with pytest.raises(grpc.RpcError) as e:
+            client.abort(rid)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and rid in e.value.details()
+    _wait_idle(env)
+    # The id is free again once the request ended.
+    assert client.generate_text([5], request_id="to-abort", max_new_tokens=2).finish_reason in ("stop", "length")
+
+
+def test_client_cancel_mid_stream_leaks_nothing(env):
+    client = env["client"]
+    streams = [client.generate([5, 6, 7, i + 10], max_new_tokens=240, ignore_eos=True) for i in range(6)]
+    for s in streams:
+        it = iter(s)
+        next(it)
+        next(it)
+        s.cancel()
+        with pytest.raises(grpc.RpcError) as e:
+            list(it)
+        assert e.value.code() == grpc.StatusCode.CANCELLED
+    info = _wait_idle(env)
+    assert info["running_requests"] == 0 and info["queued_requests"] == 0
+
+
+def test_deadline_aborts_request(env):
+    client = env["client"]
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate_text([5, 6, 7, 9], max_new_tokens=240, ignore_eos=True, timeout=0.15)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_idle(env)
+
+
+def test_disconnect_aborts_request(env):
+    """Closing the channel (the client process going away) frees the request's slots."""
+    target = env["main"].target
+    c = GenerationClient(target, timeout=60)
+    it = iter(c.generate([5, 6, 7, 11], max_new_tokens=240, ignore_eos=True))
+    next(it)
+    c.close()
+    _wait_idle(env)
+
+
+# ---- admission ----------------------------------------------------------------------------------
+
+
+def test_too_many_queued_requests(env):
+    limited = ServerThread(env["worker"], max_queued_requests=0).start()
+    try:
+        with GenerationClient(limited.target, timeout=60) as c:
+            # max_running_requests=16 + max_queued_requests=0: the 17th concurrent call is refused.
+            streams = [c.generate([5, 6, i + 3], max_new_tokens=240, ignore_eos=True) for i in range(16)]
+            its = [iter(s) for s in streams]
+            for it in its:
+                next(it)
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate_text([5, 6], max_new_tokens=2)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in e.value.details()
+            for s in streams:
+                s.cancel()
+            _wait_idle(env)
+            assert c.generate_text([5, 6], max_new_tokens=2).finish_reason in ("stop", "length")
+    finally:
+        limited.stop(grace=2)
+
+
+# ---- auth ---------------------------------------------------------------------------------------
+
+
+def test_token_auth(env):
+    target = env["authed"].target
+    for token in (None, "wrong-token"):
+        with GenerationClient(target, token=token, timeout=30) as c:
+            for call in (lambda: c.generate_text("hi", max_new_tokens=2), c.model_info, c.server_info,
+                         lambda: c.abort("x")):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert c.health() == "SERVING"  # health stays open
+    with GenerationClient(target, token=TOKEN, timeout=30) as c:
+        assert c.generate_text("hi", max_new_tokens=2).finish_reason in ("stop", "length")
+        assert c.model_info()["vocab_size"] == env["info"]["vocab_size"]
+
+
+# ---- load ---------------------------------------------------------------------------------------
+
+
+def test_load_200_concurrent_streams(env):
+    vocab = env["info"]["vocab_size"]
+    rng = random.Random(0)
+    plans = []
+    for i in range(200):
+        kind = "bad" if i % 20 == 7 else ("cancel" if i % 10 == 3 else "ok")
+        prompt = _ids(rng.randint(2, 24), vocab, 1000 + i)
+        if kind == "bad":
+            prompt = prompt + [vocab + 5]
+        plans.append(dict(rid=f"load-{i}", kind=kind, prompt=prompt, max_new=rng.randint(1, 12),
+                          ignore_eos=rng.random() < 0.5, temperature=rng.choice([0.0, 0.8])))
+
+    async def one(client, p):
+        chunks, completes, error = [], [], None
+        stream = client.generate(p["prompt"], request_id=p["rid"], max_new_tokens=p["max_new"],
+                                 ignore_eos=p["ignore_eos"], temperature=p["temperature"])
+        try:
+            async for item in stream:
+                (chunks if isinstance(item, Chunk) else completes).append(item)
+                if p["kind"] == "cancel" and chunks:
+                    stream.cancel()
+        except grpc.RpcError as e:
+            error = e.code()
+        except asyncio.CancelledError:
+            error = "cancelled"
+        return chunks, completes, error
+
+    async def main():
+        # Spread the streams over a few connections, as separate clients would.
+        clients = [AsyncGenerationClient(env["main"].target, timeout=120) for _ in range(4)]
+        try:
+            return await asyncio.gather(*(one(clients[i % 4], p) for i, p in enumerate(plans)))
+        finally:
+            for c in clients:
+                await c.close()
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    complete_ids = []
+    for p, (chunks, completes, error) in zip(plans, results):
+        if p["kind"] == "bad":
+            assert error == grpc.StatusCode.INVALID_ARGUMENT and not chunks and not completes
+            continue
+        if p["kind"] == "cancel" and error is not None:
+            assert error == "cancelled" and not completes
+            continue
+        assert error is None, (p["rid"], error)
+        assert len(completes) == 1, p["rid"]
+        done = completes[0]
+        complete_ids.append(done.request_id)
+        assert done.request_id == p["rid"]
+        streamed = [t for c in chunks for t in c.token_ids]
+        assert streamed == done.token_ids and done.completion_tokens == len(streamed)  # no loss, no duplicates
+        assert 1 <= len(streamed) <= p["max_new"] and done.prompt_tokens == len(p["prompt"])
+        if p["ignore_eos"]:
+            assert done.finish_reason == "length" and len(streamed) == p["max_new"]
+        else:
+            assert done.finish_reason in ("stop", "length")
+    assert len(complete_ids) == len(set(complete_ids)) >= 150
+    info = _wait_idle(env)
+    assert info["running_requests"] == 0
+    print(f"200 streams in {elapsed:.1f}s")
+
+
+def test_generated_tokens_accounting(env):
+    """stats_json exposes the engine's counters; they only grow."""
+    client = env["client"]
+    before = client.server_info()["stats"]["tokens_generated"]
+    client.generate_text([5, 6, 7], max_new_tokens=4, ignore_eos=True)
+    after = client.server_info()["stats"]["tokens_generated"]
+    assert after - before >= 4
+    json.dumps(client.server_info())  # plain data
+
+
+# ---- the `jaxoverlap serve` command -------------------------------------------------------------
+
+
+def test_serve_command_drains_on_sigterm(tmp_path):
+    """`jaxoverlap serve` end to end: it serves, and SIGTERM lets a running stream finish."""
+    import signal
+    import subprocess
+    import sys
+
+    model = _model_path()
+    cmd = [sys.executable, "-m", "jaxoverlap.cli", "serve", "--port", "0", "--no-warmup", "--metrics-port", "0",
+           "--max-running-requests", "4", "--kv-cache-tokens", "1024", "--max-context-len", "128",
+           "--page-size", "8", "--shutdown-grace", "60"] + (["--model", model] if model else [])
+    err_path = tmp_path / "serve.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 120
+        target = None
+        while target is None and time.monotonic() < deadline and proc.poll() is None:
+            for line in err_path.read_text().splitlines():
+                if line.startswith("serving on "):
+                    target = line.split()[2]
+            time.sleep(0.1)
+        assert target, err_path.read_text()
+        with GenerationClient(target, timeout=120) as c:
+            assert c.health() == "SERVING"
+            it = iter(c.generate([5, 6, 7], max_new_tokens=40, ignore_eos=True))
+            first = next(it)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(it)
+            assert isinstance(rest[-1], Completion) and rest[-1].finish_reason == "length"
+            assert len(first.token_ids) + sum(len(x.token_ids) for x in rest[:-1]) == 40
+        assert proc.wait(60) == 0, err_path.read_text()
+        assert "draining" in err_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
