@@ -1,0 +1,417 @@
+"""Load model weights into `ModelParams`: from HF safetensors, as random dummies, or from an orbax cache.
+
+Safetensors path: tensors are read one at a time on the host (numpy, no torch), put on the
+device as they are, and then cast / transposed / concatenated there by small jitted
+functions. Host memory therefore peaks at about one tensor (three for q/k/v), which matters
+for 16 GB checkpoints, and the host never does the slow part (strided transposes).
+
+Dummy path: every array is generated on the device with `jax.random` inside a jitted
+function (one per layer, compiled once for all layers), so an 8B-shaped model costs no
+host->device traffic at all.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.params import LayerParams, ModelParams
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+# Bump when the converted layout changes, so stale orbax caches are not restored.
+_CACHE_VERSION = 1
+
+# safetensors dtype tags numpy cannot represent natively; read through ml_dtypes instead.
+_ML_DTYPES = {
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+
+# Tensors that some checkpoints carry but that are recomputed from the config.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match its config: a tensor is missing or has the wrong shape."""
+
+
+def default_model_path() -> str:
+    """Folder of the tiny Qwen3-family model shipped with the package (see make_default_model.py)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+
+
+# --------------------------------------------------------------------------------------
+# Reading safetensors files
+# --------------------------------------------------------------------------------------
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    """The checkpoint's .safetensors files: those of the shard index, else `model.safetensors`,
+    else every `*.safetensors` in the folder."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not os.path.exists(os.path.join(model_path, n))]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+        return [os.path.join(model_path, n) for n in names]
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    if os.path.isdir(model_path):
+        found = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))
+        if found:
+            return [os.path.join(model_path, n) for n in found]
+    raise FileNotFoundError(
+        f"no safetensors weights in {model_path!r} (expected model.safetensors or "
+        "model.safetensors.index.json); use load_format='dummy' for random weights"
+    )
+
+
+def _read_header(path: str) -> tuple[int, dict]:
+    """(byte offset of the data section, header dict) of one safetensors file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return 8 + n, header
+
+
+class SafetensorsReader:
+    """Name -> host numpy array over one or more safetensors files, one tensor at a time."""
+
+    def __init__(self, files: Iterable[str]):
+        self.files = list(files)
+        self._where: dict[str, str] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
+        for path in self.files:
+            with safe_open(path, framework="numpy") as f:
+                for name in f.keys():
+                    self._where[name] = path
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        with safe_open(self._where[name], framework="numpy") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        path = self._where[name]
+        with safe_open(path, framework="numpy") as f:
+            tag = f.get_slice(name).get_dtype()
+            if tag not in _ML_DTYPES:
+                return f.get_tensor(name)
+        # numpy has no bfloat16, so safetensors' numpy backend refuses it: map the bytes
+        # ourselves and reinterpret them with ml_dtypes (bit-identical, no float32 detour).
+        if path not in self._headers:
+            self._headers[path] = _read_header(path)
+        data_start, header = self._headers[path]
+        meta = header[name]
+        begin, end = meta["data_offsets"]
+        raw = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start + begin, shape=(end - begin,))
+        # Copy out of the mapping so the array owns its memory (the device may alias it).
+        return np.array(raw.view(_ML_DTYPES[tag]).reshape(meta["shape"]))
+
+
+# --------------------------------------------------------------------------------------
+# Device-side conversion
+# --------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("transpose", "dtype"))
+def _to_param(parts: tuple[jax.Array, ...], *, transpose: bool, dtype) -> jax.Array:
+    """Concatenate HF [out, in] matrices on the output axis, cast, and optionally transpose to [in, out]."""
+    x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [sum(out), in]
+    x = x.astype(dtype)
+    return x.T if transpose else x
+
+
+def _expected_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold for `cfg`, with its HF shape."""
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv, HD = cfg.q_size, cfg.kv_size, cfg.head_dim
+    want = {f"{prefix}embed_tokens.weight": (V, D), f"{prefix}norm.weight": (D,)}
+    for i in range(cfg.num_layers):
+        p = f"{prefix}layers.{i}."
+        want.update({
+            p + "self_attn.q_proj.weight": (q, D),
+            p + "self_attn.k_proj.weight": (kv, D),
+            p + "self_attn.v_proj.weight": (kv, D),
+            p + "self_attn.o_proj.weight": (D, q),
+            p + "mlp.gate_proj.weight": (F, D),
+            p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+            p + "input_layernorm.weight": (D,),
+            p + "post_attention_layernorm.weight": (D,),
+        })
+        if cfg.qkv_bias:
+            want.update({
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            })
+        if cfg.qk_norm:
+            want.update({p + "self_attn.q_norm.weight": (HD,), p + "self_attn.k_norm.weight": (HD,)})
+    if not cfg.tie_word_embeddings:
+        want["lm_head.weight"] = (V, D)
+    return want
+
+
+def _name_prefix(reader: SafetensorsReader) -> str:
+    # CausalLM checkpoints nest the decoder under "model."; a bare base-model save does not.
+    if "model.embed_tokens.weight" in reader or "embed_tokens.weight" not in reader:
+        return "model."
+    return ""
+
+
+def _check_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, where: str) -> None:
+    """Fail before touching the device if any tensor is missing, misshapen, or unsupported."""
+    want = _expected_shapes(cfg, prefix)
+    missing = [n for n in want if n not in reader]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        hint = ""
+        if missing == ["lm_head.weight"]:
+            hint = " (config.json says tie_word_embeddings=false but the checkpoint has no lm_head)"
+        raise CheckpointError(f"checkpoint {where!r} lacks tensors required by its config: {shown}{hint}")
+    for name, shape in want.items():
+        got = reader.shape(name)
+        if got != shape:
+            raise CheckpointError(
+                f"tensor {name!r} in {where!r} has shape {list(got)}, but config.json implies {list(shape)}"
+            )
+    # Tensors the params layout cannot hold would silently change the model if dropped.
+    unsupported = [n for n in reader.names() if n.endswith(("o_proj.bias", "mlp.gate_proj.bias",
+                                                             "mlp.up_proj.bias", "mlp.down_proj.bias"))]
+    if unsupported:
+        raise CheckpointError(f"checkpoint {where!r} has biases this engine does not support: {unsupported[:4]}")
+    extra = [n for n in reader.names() if n not in want and not _IGNORED.match(n)
+             and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if extra:
+        logger.warning("ignoring %d unexpected tensors in %s, e.g. %s", len(extra), where, extra[:4])
+
+
+def _load_safetensors(model_path: str, cfg: ModelConfig, dtype) -> ModelParams:
+    reader = SafetensorsReader(safetensors_files(model_path))
+    prefix = _name_prefix(reader)
+    _check_checkpoint(reader, cfg, prefix, model_path)
+
+    def matrix(*names: str, transpose: bool = True) -> jax.Array:
+        # One device_put per tensor; the host copy is dropped as soon as it is on the device.
+        parts = tuple(jax.device_put(reader.get(n)) for n in names)
+        return _to_param(parts, transpose=transpose, dtype=dtype)
+
+    def stacked(fmt: str) -> jax.Array:
+        # Small per-layer vectors: stack on the host (a few KB each), one transfer.
+        rows = np.stack([reader.get(fmt.format(i=i)) for i in range(cfg.num_layers)])  # [L, n]
+        return _to_param((jax.device_put(rows),), transpose=False, dtype=dtype)
+
+    def qkv_bias(i: int) -> np.ndarray:
+        p = f"{prefix}layers.{i}.self_attn."
+        return np.concatenate([reader.get(p + f"{x}_proj.bias") for x in "qkv"])  # [(H + 2KVH) * HD]
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"{prefix}layers.{i}."
+        layers.append(LayerParams(
+            wqkv=matrix(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),  # [D, (H + 2KVH) * HD]
+            wo=matrix(p + "self_attn.o_proj.weight"),  # [H * HD, D]
+            w_gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),  # [D, 2F]
+            w_down=matrix(p + "mlp.down_proj.weight"),  # [F, D]
+        ))
+    bqkv = None
+    if cfg.qkv_bias:
+        rows = np.stack([qkv_bias(i) for i in range(cfg.num_layers)])  # [L, (H + 2KVH) * HD]
+        bqkv = _to_param((jax.device_put(rows),), transpose=False, dtype=dtype)
+    return ModelParams(
+        embed=matrix(prefix + "embed_tokens.weight", transpose=False),  # [V, D]
+        final_norm=matrix(prefix + "norm.weight", transpose=False),  # [D]
+        attn_norm=stacked(prefix + "layers.{i}.input_layernorm.weight"),  # [L, D]
+        mlp_norm=stacked(prefix + "layers.{i}.post_attention_layernorm.weight"),  # [L, D]
+        layers=tuple(layers),
+        lm_head=None if cfg.tie_word_embeddings else matrix("lm_head.weight"),  # [D, V]
+        q_norm=stacked(prefix + "layers.{i}.self_attn.q_norm.weight") if cfg.qk_norm else None,  # [L, HD]
+        k_norm=stacked(prefix + "layers.{i}.self_attn.k_norm.weight") if cfg.qk_norm else None,
+        bqkv=bqkv,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Dummy weights
+# --------------------------------------------------------------------------------------
+#
+# Scales: matrices N(0, 1/fan_in) keep activations O(1) through the residual stream; the
+# embedding and the LM head are N(0, 1), so logits = rmsnorm(h) @ W have std ~sqrt(D). That
+# makes even a tiny random model's next-token distribution sharply peaked, so greedy output
+# does not flip between implementations (bf16 vs f32, batched vs not) on near-ties.
+#
+# Tied models need one change: with a unit embedding shared by input and output, the
+# residual stream stays close to the last token's own embedding and greedy decoding
+# repeats that token forever. Drawing the layers' output projections (wo, w_down) 20x
+# larger lets the layers, not the input token, decide the next token.
+_TIED_RESIDUAL_GAIN = 20.0
+
+
+def _normal(key, shape, std: float, dtype) -> jax.Array:
+    # Draw in float32 and cast, so a bf16 dummy model is the rounding of the f32 one.
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _dummy_layer(key, cfg: ModelConfig, dtype) -> LayerParams:
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    gain = _TIED_RESIDUAL_GAIN if cfg.tie_word_embeddings else 1.0
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    return LayerParams(
+        wqkv=_normal(k1, (D, qkv), D ** -0.5, dtype),
+        wo=_normal(k2, (cfg.q_size, D), gain * cfg.q_size ** -0.5, dtype),
+        w_gate_up=_normal(k3, (D, 2 * F), D ** -0.5, dtype),
+        w_down=_normal(k4, (F, D), gain * F ** -0.5, dtype),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "std", "dtype"))
+def _dummy_matrix(key, *, shape, std, dtype) -> jax.Array:
+    return _normal(key, shape, std, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _ones(*, shape, dtype) -> jax.Array:
+    return jnp.ones(shape, dtype)
+
+
+def dummy_params(cfg: ModelConfig, dtype, seed: int = 0) -> ModelParams:
+    """Random weights from the config alone, generated on the device; the same for the same seed."""
+    dtype = jnp.dtype(dtype)
+    L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    k_embed, k_head, k_layers = jax.random.split(jax.random.key(seed), 3)
+    layers = tuple(_dummy_layer(jax.random.fold_in(k_layers, i), cfg, dtype) for i in range(L))
+    return ModelParams(
+        embed=_dummy_matrix(k_embed, shape=(V, D), std=1.0, dtype=dtype),
+        final_norm=_ones(shape=(D,), dtype=dtype),
+        attn_norm=_ones(shape=(L, D), dtype=dtype),
+        mlp_norm=_ones(shape=(L, D), dtype=dtype),
+        layers=layers,
+        lm_head=None if cfg.tie_word_embeddings else _dummy_matrix(k_head, shape=(D, V), std=1.0, dtype=dtype),
+        q_norm=_ones(shape=(L, cfg.head_dim), dtype=dtype) if cfg.qk_norm else None,
+        k_norm=_ones(shape=(L, cfg.head_dim), dtype=dtype) if cfg.qk_norm else None,
+        # Zero biases: the bias path still runs, without shifting the peaked logits.
+        bqkv=jnp.zeros((L, cfg.q_size + 2 * cfg.kv_size), dtype) if cfg.qkv_bias else None,
+    )
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:
+    """The ModelParams pytree of `cfg` with `jax.ShapeDtypeStruct` leaves (no memory is allocated)."""
+    return jax.eval_shape(lambda: dummy_params(cfg, dtype))
+
+
+# --------------------------------------------------------------------------------------
+# Orbax cache of converted weights
+# --------------------------------------------------------------------------------------
+
+
+def cache_key(model_path: str, dtype, files: Iterable[str] | None = None) -> str:
+    """Hash of what determines the converted params: path, dtype, config.json, and each
+    weight file's name, size and mtime (so re-downloaded weights miss the cache)."""
+    h = hashlib.sha256()
+    h.update(f"v{_CACHE_VERSION}\0{os.path.abspath(model_path)}\0{jnp.dtype(dtype).name}\0".encode())
+    with open(os.path.join(model_path, "config.json"), "rb") as f:
+        h.update(hashlib.sha256(f.read()).digest())
+    for path in sorted(files if files is not None else safetensors_files(model_path)):
+        st = os.stat(path)
+        h.update(f"{os.path.basename(path)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:32]
+
+
+def cache_path(cache_dir: str, model_path: str, dtype, files: Iterable[str] | None = None) -> str:
+    name = os.path.basename(os.path.normpath(model_path)) or "model"
+    return os.path.join(os.path.abspath(cache_dir), f"{name}-{jnp.dtype(dtype).name}-{cache_key(model_path, dtype, files)}")
+
+
+def _restore_cached(path: str, cfg: ModelConfig, dtype) -> ModelParams:
+    import orbax.checkpoint as ocp  # imported lazily: it is slow to import and optional here
+
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                          abstract_params(cfg, dtype))
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(path, target)
+
+
+def _save_cached(path: str, params: ModelParams) -> None:
+    import orbax.checkpoint as ocp
+
+    # Orbax writes into a temporary folder and renames it on completion, so `path` only
+    # ever exists complete; a concurrent writer that loses the race is harmless.
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, params)
+        ckptr.wait_until_finished()
+
+
+# --------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------
+
+
+def load_params(
+    model_path: str,
+    cfg: ModelConfig,
+    dtype,
+    *,
+    load_format: str = "auto",
+    seed: int = 0,
+    cache_dir: str | None = None,
+) -> ModelParams:
+    """Weights of `cfg` as a `ModelParams` on the default device, every array of `dtype`.
+
+    load_format: "auto" / "safetensors" read the HF checkpoint in `model_path`; "dummy"
+    generates random weights (deterministic for `seed`) without reading any weight file.
+    cache_dir: when set, converted safetensors weights are saved there with orbax and later
+    loads of the same checkpoint (same path, dtype, config.json and file sizes/mtimes)
+    restore them instead of converting again.
+    """
+    dtype = jnp.dtype(dtype)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "dummy":
+        return dummy_params(cfg, dtype, seed)
+    files = safetensors_files(model_path)
+    cached = cache_path(cache_dir, model_path, dtype, files) if cache_dir else None
+    if cached and os.path.isdir(cached):
+        try:
+            params = _restore_cached(cached, cfg, dtype)
+            logger.info("restored converted weights from %s", cached)
+            return params
+        except Exception as e:  # a corrupt or incompatible cache must not block serving
+            logger.warning("ignoring unreadable weights cache %s: %s", cached, e)
+    params = _load_safetensors(model_path, cfg, dtype)
+    if cached and not os.path.isdir(cached):
+        try:
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            _save_cached(cached, params)
+            logger.info("saved converted weights to %s", cached)
+        except Exception as e:
+            logger.warning("could not write weights cache %s: %s", cached, e)
+    return params

@@ -1,0 +1,117 @@
+"""Tiny HF checkpoints for tests, written by transformers itself (CPU torch).
+
+torch and transformers are imported inside the functions, so test modules that never
+make a checkpoint do not pay for importing them.
+"""
+from __future__ import annotations
+
+import os
+
+# One tiny config per supported family, each exercising that family's particular paths.
+FAMILIES = {
+    # qk-norm, explicit head_dim != hidden / heads, untied.
+    "qwen3": dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    # GQA 4:1, llama3 rope scaling (the original context is short, so every band is hit), untied.
+    "llama": dict(
+        vocab_size=192, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    # qkv bias, tied embeddings.
+    "qwen2": dict(
+        vocab_size=144, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+}
+
+
+def tiny_hf_config(family: str, **overrides):
+    import transformers
+
+    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
+           "qwen2": transformers.Qwen2Config}[family]
+    kwargs = {**FAMILIES[family], **overrides}
+    return cls(**kwargs)
+
+
+def peaked_init_(model, seed: int = 0) -> None:
+    """Re-initialize `model` in place so its logits are far from ties.
+
+    transformers' default init (std 0.02) makes a random model's logits nearly uniform,
+    so greedy decoding would hinge on float rounding. Matrices get std 1/sqrt(fan_in),
+    embeddings std 1 (logits then have std ~sqrt(hidden)), norm weights 1 + noise and
+    biases noise, so that a mixed-up vector would change the output.
+
+    Tied models are different: with a large shared embedding the residual stream stays
+    close to the last token's own embedding, and greedy decoding repeats that token
+    forever (a weak test). There the embedding is small (std 0.05) and the final norm
+    weight large (~20), so the layers decide the next token and logits stay peaked.
+    """
+    import torch
+
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name == "model.norm.weight" and tied:
+                p.copy_(20.0 * (1.0 + 0.1 * noise))
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif "embed_tokens" in name and tied:
+                p.copy_(0.05 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            elif "embed_tokens" in name or name == "lm_head.weight":
+                p.copy_(noise)
+            else:  # nn.Linear weight [out, in]
+                p.copy_(noise / p.shape[1] ** 0.5)
+
+
+def make_hf_checkpoint(
+    path: str,
+    family: str,
+    *,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    seed: int = 0,
+    **overrides,
+) -> str:
+    """Write a random tiny `family` model to `path` with `save_pretrained`; return `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    peaked_init_(model, seed)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def load_hf_model(path: str):
+    """The checkpoint as a float32 transformers model with eager attention, in eval mode."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def hf_logits(model, token_ids) -> "np.ndarray":  # noqa: F821
+    """Float32 logits [T, V] of one sequence."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor([list(token_ids)], dtype=torch.long)).logits[0].float().numpy()

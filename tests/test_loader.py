@@ -1,0 +1,314 @@
+"""models/loader.py: safetensors -> ModelParams mapping, dummy weights, orbax cache, errors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxoverlap.models import loader
+from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.loader import CheckpointError, default_model_path, load_params
+from jaxoverlap.models.params import ModelParams
+
+FAMILIES = ["qwen3", "llama", "qwen2"]
+
+
+def _state_dict(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint as float32 numpy, read through torch (independent of the loader)."""
+    import safetensors.torch
+
+    out = {}
+    for f in loader.safetensors_files(path):
+        for name, t in safetensors.torch.load_file(f).items():
+            out[name] = t.float().numpy()
+    return out
+
+
+def _expected(sd: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """What each ModelParams leaf must equal, written out field by field from the HF names."""
+    L = cfg.num_layers
+    lay = lambda i, n: sd[f"model.layers.{i}.{n}"]  # noqa: E731
+    exp = {
+        "embed": sd["model.embed_tokens.weight"],
+        "final_norm": sd["model.norm.weight"],
+        "attn_norm": np.stack([lay(i, "input_layernorm.weight") for i in range(L)]),
+        "mlp_norm": np.stack([lay(i, "post_attention_layernorm.weight") for i in range(L)]),
+    }
+    for i in range(L):
+        exp[f"layers.{i}.wqkv"] = np.concatenate([lay(i, f"self_attn.{x}_proj.weight").T for x in "qkv"], axis=1)
+        exp[f"layers.{i}.wo"] = lay(i, "self_attn.o_proj.weight").T
+        exp[f"layers.{i}.w_gate_up"] = np.concatenate(
+            [lay(i, "mlp.gate_proj.weight").T, lay(i, "mlp.up_proj.weight").T], axis=1)
+        exp[f"layers.{i}.w_down"] = lay(i, "mlp.down_proj.weight").T
+    if not cfg.tie_word_embeddings:
+        exp["lm_head"] = sd["lm_head.weight"].T
+    if cfg.qk_norm:
+        exp["q_norm"] = np.stack([lay(i, "self_attn.q_norm.weight") for i in range(L)])
+        exp["k_norm"] = np.stack([lay(i, "self_attn.k_norm.weight") for i in range(L)])
+    if cfg.qkv_bias:
+        exp["bqkv"] = np.stack([np.concatenate([lay(i, f"self_attn.{x}_proj.bias") for x in "qkv"])
+                                for i in range(L)])
+    return exp
+
+
+def _flat(params: ModelParams) -> dict[str, np.ndarray]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        key = jax.tree_util.keystr(path, simple=True, separator=".")
+        out[key] = np.asarray(leaf.astype(jnp.float32))
+    return out
+
+
+def _assert_params_match(params: ModelParams, path: str, cfg: ModelConfig, *, exact: bool = True):
+    got, exp = _flat(params), _expected(_state_dict(path), cfg)
+    assert sorted(got) == sorted(exp)
+    for k in exp:
+        assert got[k].shape == exp[k].shape, k
+        if exact:
+            np.testing.assert_array_equal(got[k], exp[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(got[k], exp[k], rtol=1e-2, atol=1e-2, err_msg=k)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_file_float32(hf_checkpoint, family):
+    path = hf_checkpoint(family)
+    assert os.path.exists(os.path.join(path, "model.safetensors"))
+    cfg = ModelConfig.from_path(path)
+    params = load_params(path, cfg, jnp.float32)
+    _assert_params_match(params, path, cfg)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
+    # Family flags select the optional leaves.
+    assert (params.q_norm is not None) == (family == "qwen3")
+    assert (params.bqkv is not None) == (family == "qwen2")
+    assert (params.lm_head is None) == (family == "qwen2")  # the qwen2 fixture is tied
+
+
+def test_sharded_checkpoint(hf_checkpoint):
+    path = hf_checkpoint("qwen3", max_shard_size="40KB")
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    assert len(loader.safetensors_files(path)) > 2
+    cfg = ModelConfig.from_path(path)
+    params = load_params(path, cfg, "float32")
+    _assert_params_match(params, path, cfg)
+    single = load_params(hf_checkpoint("qwen3"), cfg, "float32")  # same seed, so same weights
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(single)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_bfloat16_checkpoint(hf_checkpoint, family):
+    import safetensors.torch
+    import torch
+
+    path = hf_checkpoint(family, dtype="bfloat16", max_shard_size="40KB")
+    cfg = ModelConfig.from_path(path)
+    bf = load_params(path, cfg, jnp.bfloat16)
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(bf))
+    # Bit-exact: compare the raw 16-bit patterns of the embedding with torch's.
+    emb = None
+    for f in loader.safetensors_files(path):
+        tensors = safetensors.torch.load_file(f)
+        if "model.embed_tokens.weight" in tensors:
+            emb = tensors["model.embed_tokens.weight"]
+    assert emb.dtype == torch.bfloat16
+    np.testing.assert_array_equal(np.asarray(bf.embed).view(np.uint16), emb.view(torch.int16).numpy().view(np.uint16))
+    # Upcasting to float32 is exact too.
+    f32 = load_params(path, cfg, jnp.float32)
+    _assert_params_match(f32, path, cfg)
+
+
+def test_tied_checkpoint_has_no_lm_head(hf_checkpoint):
+    path = hf_checkpoint("qwen2")
+    assert "lm_head.weight" not in _state_dict(path)
+    cfg = ModelConfig.from_path(path)
+    assert cfg.tie_word_embeddings and cfg.qkv_bias
+    assert load_params(path, cfg, jnp.float32).lm_head is None
+
+
+def test_untied_config_without_lm_head_is_an_error(hf_checkpoint, tmp_path):
+    path = str(tmp_path / "m")
+    shutil.copytree(hf_checkpoint("qwen2"), path)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    raw["tie_word_embeddings"] = False
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(CheckpointError, match="lm_head"):
+        load_params(path, ModelConfig.from_path(path), jnp.float32)
+
+
+def test_missing_tensor_is_an_error(hf_checkpoint, tmp_path):
+    from safetensors.numpy import save_file
+
+    src = hf_checkpoint("qwen3")
+    path = str(tmp_path / "m")
+    os.makedirs(path)
+    shutil.copy(os.path.join(src, "config.json"), path)
+    sd = _state_dict(src)
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_params(path, ModelConfig.from_path(path), jnp.float32)
+
+
+def test_shape_mismatch_is_an_error(hf_checkpoint):
+    path = hf_checkpoint("llama")
+    cfg = ModelConfig.from_path(path)
+    wrong = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 8)
+    with pytest.raises(CheckpointError, match=r"gate_proj\.weight.*shape"):
+        load_params(path, wrong, jnp.float32)
+
+
+def test_base_model_names_without_prefix(hf_checkpoint, tmp_path):
+    """A bare decoder save (no "model." prefix) loads the same, given a tied config."""
+    from safetensors.numpy import save_file
+
+    src = hf_checkpoint("qwen2")
+    path = str(tmp_path / "m")
+    os.makedirs(path)
+    shutil.copy(os.path.join(src, "config.json"), path)
+    sd = {k.removeprefix("model."): v for k, v in _state_dict(src).items()}
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    cfg = ModelConfig.from_path(path)
+    a, b = load_params(path, cfg, jnp.float32), load_params(src, cfg, jnp.float32)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_no_weights_and_bad_format(tmp_path, hf_checkpoint):
+    path = str(tmp_path / "m")
+    os.makedirs(path)
+    shutil.copy(os.path.join(hf_checkpoint("qwen3"), "config.json"), path)
+    cfg = ModelConfig.from_path(path)
+    with pytest.raises(FileNotFoundError, match="dummy"):
+        load_params(path, cfg, jnp.float32)
+    with pytest.raises(ValueError, match="load_format"):
+        load_params(path, cfg, jnp.float32, load_format="pt")
+
+
+def test_llama3_rope_scaling_config(hf_checkpoint):
+    """config.json written by transformers (rope_parameters) parses to llama3 scaling whose
+    inverse frequencies equal the ones transformers computes."""
+    import torch
+    import transformers
+
+    path = hf_checkpoint("llama")
+    cfg = ModelConfig.from_path(path)
+    scaling = dict(cfg.rope_scaling)
+    assert scaling["rope_type"] == "llama3"
+    assert scaling["factor"] == 8.0 and scaling["original_max_position_embeddings"] == 64
+    assert cfg.rope_theta == 500000.0
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (8, 2, 8)
+    hf_cfg = transformers.AutoConfig.from_pretrained(path)
+    rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_cfg)
+    ref = rope.inv_freq.to(torch.float64).numpy()
+    np.testing.assert_allclose(cfg.rope_inv_freq(), ref, rtol=1e-6)
+    # The scaling really does something at this theta and original length.
+    plain = dataclasses.replace(cfg, rope_scaling=None).rope_inv_freq()
+    assert not np.allclose(plain, ref)
+
+
+# ---------------------------------------------------------------------------- dummy
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dummy_matches_checkpoint_layout(hf_checkpoint, family):
+    path = hf_checkpoint(family)
+    cfg = ModelConfig.from_path(path)
+    real = load_params(path, cfg, jnp.float32)
+    dummy = load_params(path, cfg, jnp.float32, load_format="dummy", seed=3)
+    assert jax.tree.structure(real) == jax.tree.structure(dummy)
+    for a, b in zip(jax.tree.leaves(real), jax.tree.leaves(dummy)):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    abstract = loader.abstract_params(cfg, jnp.float32)
+    assert jax.tree.structure(abstract) == jax.tree.structure(real)
+
+
+def test_dummy_is_deterministic_and_peaked(tmp_path, hf_checkpoint):
+    from jaxoverlap.models.transformer import dense_logits
+
+    # Dummy needs no weight files at all: only config.json.
+    path = str(tmp_path / "cfg-only")
+    os.makedirs(path)
+    shutil.copy(os.path.join(hf_checkpoint("qwen3"), "config.json"), path)
+    cfg = ModelConfig.from_path(path)
+    a = load_params(path, cfg, jnp.float32, load_format="dummy", seed=7)
+    b = load_params(path, cfg, jnp.float32, load_format="dummy", seed=7)
+    c = load_params(path, cfg, jnp.float32, load_format="dummy", seed=8)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(a.layers[0].wqkv), np.asarray(c.layers[0].wqkv))
+    assert not np.array_equal(np.asarray(a.layers[0].wqkv), np.asarray(a.layers[1].wqkv))
+    # bf16 dummies are the rounding of the f32 ones.
+    bf = load_params(path, cfg, jnp.bfloat16, load_format="dummy", seed=7)
+    np.testing.assert_array_equal(np.asarray(bf.layers[1].w_down), np.asarray(a.layers[1].w_down.astype(jnp.bfloat16)))
+    # Scales: unit embedding, 1/sqrt(fan_in) matrices, unit norms.
+    assert 0.9 < float(jnp.std(a.embed)) < 1.1
+    assert abs(float(jnp.std(a.layers[0].w_down)) * cfg.intermediate_size ** 0.5 - 1) < 0.1
+    np.testing.assert_array_equal(np.asarray(a.attn_norm), 1.0)
+    # Peaked logits: the best token clearly beats the runner-up at every position.
+    logits = np.asarray(dense_logits(a, cfg, jnp.arange(16, dtype=jnp.int32) * 5 % cfg.vocab_size))
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    assert np.all(np.isfinite(logits))
+    assert np.median(top2[:, 1] - top2[:, 0]) > 0.5
+
+
+# ---------------------------------------------------------------------------- orbax cache
+
+
+def test_orbax_cache_round_trip(hf_checkpoint, tmp_path, monkeypatch):
+    src = hf_checkpoint("qwen2")
+    path = str(tmp_path / "m")
+    shutil.copytree(src, path)
+    cache = str(tmp_path / "cache")
+    cfg = ModelConfig.from_path(path)
+    first = load_params(path, cfg, jnp.float32, cache_dir=cache)
+    entry = loader.cache_path(cache, path, jnp.float32)
+    assert os.path.isdir(entry)
+
+    # A second load must restore from orbax, not convert.
+    def no_convert(*a, **k):
+        raise AssertionError("converted again instead of restoring the cache")
+
+    monkeypatch.setattr(loader, "_load_safetensors", no_convert)
+    second = load_params(path, cfg, jnp.float32, cache_dir=cache)
+    assert jax.tree.structure(first) == jax.tree.structure(second)
+    assert second.lm_head is None and second.bqkv is not None
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # Another dtype, or touched weights, is a different cache entry.
+    assert loader.cache_path(cache, path, jnp.bfloat16) != entry
+    st = os.stat(os.path.join(path, "model.safetensors"))
+    os.utime(os.path.join(path, "model.safetensors"), ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert loader.cache_path(cache, path, jnp.float32) != entry
+    monkeypatch.undo()
+    third = load_params(path, cfg, jnp.float32, cache_dir=cache)
+    np.testing.assert_array_equal(np.asarray(third.embed), np.asarray(first.embed))
+    assert os.path.isdir(loader.cache_path(cache, path, jnp.float32))
+
+
+# ---------------------------------------------------------------------------- default model
+
+
+def test_default_model_loads():
+    from jaxoverlap.models.tokenizer import Tokenizer
+
+    path = default_model_path()
+    cfg = ModelConfig.from_path(path)
+    assert cfg.model_type == "qwen3" and cfg.tie_word_embeddings
+    params = load_params(path, cfg, jnp.float32)
+    assert params.embed.shape == (cfg.vocab_size, cfg.hidden_size)
+    tok = Tokenizer.from_path(path)
+    assert tok.vocab_size == cfg.vocab_size
+    assert cfg.eos_token_ids and set(cfg.eos_token_ids) <= set(tok.eos_token_ids)
+    total = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    assert total < 5_000_000

@@ -1,0 +1,159 @@
+"""models/tokenizer.py: encode/decode, eos/bos discovery, and streaming detokenization."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, normalizers, processors
+
+from jaxoverlap.models.loader import default_model_path
+from jaxoverlap.models.tokenizer import IncrementalDecoder, Tokenizer
+
+# Multi-byte characters of every UTF-8 length: 2 (é, ö), 3 (中, €), 4 (emoji).
+TEXTS = [
+    "Hello world, this is plain ASCII.",
+    "Café crème, naïve façade, smörgåsbord.",
+    "中文字符和日本語のテキスト。価格は€5です。",
+    "Emoji 🙂🚀👩‍👩‍👧 and flags 🇫🇷 mixed with text.",
+    "  leading spaces\n\nnewlines\tand tabs  ",
+]
+
+
+@pytest.fixture(scope="module")
+def default_tok() -> Tokenizer:
+    return Tokenizer.from_path(default_model_path())
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """A Llama-2-style sentencepiece BPE with byte fallback, built by hand: letters and a few
+    words are tokens, everything else (é, 中, emoji) falls back to <0xNN> byte tokens."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁"] + list("abcdefghijklmnopqrstuvwxyzHW,.") + ["▁h", "▁he", "▁hel", "▁hell", "▁hello"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o")]
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True,
+                                          fuse_unk=True))
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return Tokenizer(tok, eos_token_ids=[2], bos_token_id=1)
+
+
+def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] = (), chunk: int = 1) -> list[str]:
+    dec = tok.incremental_decoder(prompt)
+    deltas = [dec.step(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas.append(dec.flush())
+    assert dec.text == "".join(deltas)
+    return deltas
+
+
+def test_default_tokenizer_basics(default_tok):
+    assert default_tok.vocab_size == 1024
+    assert default_tok.eos_token_ids == (default_tok.token_to_id("<|endoftext|>"),)
+    assert default_tok.bos_token_id is None
+    ids = default_tok.encode("Once upon a time")
+    assert len(ids) == 4 and default_tok.encode("Once upon a time", add_special_tokens=False) == ids
+    for text in TEXTS:  # byte-level BPE is lossless, whatever the script
+        assert default_tok.decode(default_tok.encode(text)) == text
+    assert default_tok.encode_batch(TEXTS[:2]) == [default_tok.encode(t) for t in TEXTS[:2]]
+    eos = default_tok.eos_token_ids[0]
+    assert default_tok.decode([*ids, eos]) == "Once upon a time"
+    assert default_tok.decode([*ids, eos], skip_special_tokens=False) == "Once upon a time<|endoftext|>"
+
+
+def test_default_tokenizer_agrees_with_transformers(default_tok):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    for text in TEXTS:
+        assert hf.encode(text) == default_tok.encode(text)
+    assert hf.eos_token_id in default_tok.eos_token_ids
+
+
+def test_add_special_tokens_follows_post_processor():
+    tok = _byte_fallback_tokenizer()
+    with_bos = tok.encode("hello world")
+    assert with_bos[0] == tok.bos_token_id
+    assert tok.encode("hello world", add_special_tokens=False) == with_bos[1:]
+    assert tok.decode(with_bos) == "hello world"
+
+
+def test_eos_and_bos_from_config_files(tmp_path):
+    path = str(tmp_path)
+    default_tok = Tokenizer.from_path(default_model_path())
+    default_tok.hf_tokenizer.save(os.path.join(path, "tokenizer.json"))
+    im_end = default_tok.token_to_id("<|im_end|>")
+    im_start = default_tok.token_to_id("<|im_start|>")
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [im_end, 0], "bos_token_id": 5}, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": {"content": "<|im_end|>"}, "bos_token": "<|im_start|>"}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"eos_token_id": 7}, f)
+    tok = Tokenizer.from_path(path)
+    assert tok.eos_token_ids == (im_end, 0, 7)  # generation_config first, deduplicated
+    assert tok.bos_token_id == im_start  # tokenizer_config wins over the id fields
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_path(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_decode_byte_level(default_tok, text, chunk):
+    ids = default_tok.encode(text)
+    deltas = _stream(default_tok, ids, chunk=chunk)
+    assert "".join(deltas) == text
+    # Never a half character: no replacement char leaks out of a split code point.
+    assert not any("\ufffd" in d for d in deltas)
+    if any(ord(c) > 0x7F for c in text):
+        # Some emoji/CJK tokens end mid-character, so at least one step was held back.
+        assert "" in deltas[:-1] or chunk > 1
+
+
+@pytest.mark.parametrize("text", ["hello world", "hello héllo 中文 🙂 world", "Hello, World."])
+def test_incremental_decode_byte_fallback(text):
+    tok = _byte_fallback_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.id_to_token(i).startswith("<0x") for i in ids) == any(ord(c) > 0x7F for c in text)
+    deltas = _stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_incremental_decode_keeps_space_after_prompt():
+    """Decoded alone, a sentencepiece "▁world" loses its space; after a prompt it must not."""
+    tok = _byte_fallback_tokenizer()
+    full = tok.encode("hello world", add_special_tokens=False)
+    prompt = tok.encode("hello", add_special_tokens=False)
+    assert full[: len(prompt)] == prompt
+    deltas = _stream(tok, full[len(prompt) :], prompt=prompt)
+    assert "".join(deltas) == " world"
+
+
+def test_incremental_decode_skips_special_tokens(default_tok):
+    eos = default_tok.eos_token_ids[0]
+    ids = default_tok.encode("The sea") + [eos] + default_tok.encode(" is calm")
+    assert "".join(_stream(default_tok, ids)) == "The sea is calm"
+
+
+def test_incremental_decode_random_ids(default_tok):
+    """Arbitrary id sequences (as an untrained model emits) stream to exactly decode(ids)."""
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(3, default_tok.vocab_size) for _ in range(rng.randint(1, 40))]
+        assert "".join(_stream(default_tok, ids)) == default_tok.decode(ids)
+
+
+def test_flush_emits_incomplete_tail(default_tok):
+    ids = default_tok.encode("ok 🙂")
+    dec = IncrementalDecoder(default_tok)
+    out = "".join(dec.step(i) for i in ids[:-1])  # the emoji's last byte never comes
+    tail = dec.flush()
+    assert out + tail == default_tok.decode(ids[:-1])
+    assert tail.endswith("\ufffd")
