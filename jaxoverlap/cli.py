@@ -30,6 +30,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights-cache-dir", default=None)
     g.add_argument("--compilation-cache-dir", default=None)
     g.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("speculative decoding (SGLang's flag names)")
+    s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "draft_model", "ngram", "ngram_device"])
+    s.add_argument("--speculative-num-steps", type=int, default=None, help="draft tokens per step (default 3)")
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="window: 1 + num steps")
+    s.add_argument("--speculative-eagle-topk", type=int, default=1)
+    s.add_argument("--speculative-draft-model-path", default=None)
+    s.add_argument("--speculative-eagle-head-path", default=None)
 
 
 def engine_options(args: argparse.Namespace) -> dict:

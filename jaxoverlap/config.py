@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+SPECULATIVE_ALGORITHMS = (None, "eagle", "draft_model", "ngram", "ngram_device")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -24,6 +26,16 @@ class EngineConfig:
     weights_cache_dir: str | None = None  # orbax cache of converted weights for fast restarts
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache
     max_queued_requests: int = 4096
+    # Speculative decoding (names follow SGLang's flags). One step verifies a window of
+    # speculative_num_draft_tokens = 1 + speculative_num_steps positions per request.
+    speculative_algorithm: str | None = None  # None | "eagle" | "draft_model" | "ngram" | "ngram_device"
+    speculative_num_steps: int | None = None  # draft tokens per step (default 3)
+    speculative_num_draft_tokens: int | None = None  # window = 1 + num_steps (chain drafting)
+    speculative_eagle_topk: int = 1  # only chain drafting (1) is implemented
+    speculative_draft_model_path: str | None = None  # draft_model: checkpoint folder of the drafter
+    speculative_eagle_head_path: str | None = None  # eagle: EAGLE-format head folder; None = random head
+    speculative_ngram_min_match_window_size: int = 1  # ngram: shortest trailing n-gram to look up
+    speculative_ngram_max_match_window_size: int = 4  # ngram: longest trailing n-gram to look up
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -40,6 +52,46 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'xla' or 'pallas', got {self.attention_backend!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is not None:
+            algo = algo.lower()
+            object.__setattr__(self, "speculative_algorithm", algo)
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
+        if algo is None:
+            return
+        if self.speculative_eagle_topk != 1:
+            raise ValueError(
+                f"speculative_eagle_topk={self.speculative_eagle_topk} is not supported: only chain drafting "
+                "(topk=1, one draft token per step of the drafter) is implemented"
+            )
+        steps, window = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is None and window is None:
+            steps = 3
+        if steps is None:
+            steps = window - 1
+        if window is None:
+            window = steps + 1
+        if steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {steps}")
+        if window != steps + 1:
+            raise ValueError(
+                f"speculative_num_draft_tokens ({window}) must be speculative_num_steps + 1 ({steps + 1}) "
+                "with chain drafting (speculative_eagle_topk=1)"
+            )
+        object.__setattr__(self, "speculative_num_steps", steps)
+        object.__setattr__(self, "speculative_num_draft_tokens", window)
+        if self.chunked_prefill_size < 2:
+            raise ValueError("speculative decoding needs chunked_prefill_size >= 2")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if algo in ("ngram", "ngram_device") and not 1 <= lo <= hi:
+            raise ValueError(
+                "need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size, "
+                f"got {lo} and {hi}"
+            )
 
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> "EngineConfig":

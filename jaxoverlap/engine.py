@@ -9,11 +9,17 @@ In the overlap loop the host prepares and launches step N+1 before it waits for 
 the device always has the next step queued behind the running one. A request that ends in
 step N is found when step N is processed; it is already in step N+1, whose tokens for it
 are dropped.
+
+Speculative decoding (speculative/) changes neither loop: a decode step becomes one
+speculative step. The one exception is the host n-gram drafter, whose drafts need step N's
+accepted tokens: for such a batch the overlap loop processes step N before the launch
+(the article's section 8.3), and the wait is recorded as `fresh_wait_s`.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import random
 import time
@@ -45,6 +51,12 @@ class StepTiming:
     launch_s: float  # build arrays + dispatch the jitted step
     wait_s: float  # blocked on the device for the processed step's outputs
     process_s: float  # bookkeeping of the processed step (stops, outputs, frees)
+    # Host n-gram only: blocked on (and processing) the in-flight step before the launch,
+    # because the drafts need its tokens; and the trie lookup inside launch_s.
+    fresh_wait_s: float = 0.0
+    draft_s: float = 0.0
+    accepted_tokens: int = 0  # tokens the processed speculative step gained (all rows)
+    verify_rows: int = 0  # live rows of the processed speculative step
 
 
 def _resolve_dtype(name: str):
@@ -53,8 +65,19 @@ def _resolve_dtype(name: str):
     return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
 
 
+@functools.lru_cache(maxsize=None)
+def _pallas_attention(interpret: bool):
+    """One function object per mode: the steps take it as a static argument, so a new
+    object per engine would compile every step again."""
+    from jaxoverlap.pallas_kernels.attention import paged_attention
+
+    return functools.partial(paged_attention, backend="pallas", interpret=interpret)
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None, params=None, tokenizer=None):
+    def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None, params=None, tokenizer=None,
+                 draft_model_config: ModelConfig | None = None, draft_params=None,
+                 eagle_config: ModelConfig | None = None, eagle_params=None):
         from jaxoverlap.models import loader
 
         self.config = config
@@ -80,6 +103,11 @@ class Engine:
         if tokenizer is not None:
             eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.eos_token_ids = frozenset(eos)
+        from jaxoverlap.speculative.setup import build_drafter
+
+        self.drafter = build_drafter(config, self.model_config, self.dtype, draft_model_config=draft_model_config,
+                                     draft_params=draft_params, eagle_config=eagle_config, eagle_params=eagle_params)
+        spec = self.drafter.spec if self.drafter is not None else None
 
         mc, ps = self.model_config, config.page_size
         self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096)
@@ -90,14 +118,19 @@ class Engine:
         state = init_device_state(
             num_layers=mc.num_layers, num_slots=num_pages * ps, num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim, dtype=self.dtype, num_entries=config.max_running_requests + 1,
-            table_width=table_width,
+            table_width=table_width, **({"drafter": self.drafter.layout} if self.drafter else {}),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 page_size=ps, max_running=config.max_running_requests,
-                chunked_prefill_size=config.chunked_prefill_size,
+                # A speculative prefill row carries one more token (the one before the chunk).
+                chunked_prefill_size=config.chunked_prefill_size - (1 if spec else 0),
                 max_prefill_requests=config.max_prefill_requests,
-                max_context_len=self.max_context_len, table_width=table_width, window=1,
+                max_context_len=self.max_context_len, table_width=table_width,
+                window=spec.window if spec else 1,
+                lookahead=spec.lookahead if spec else 0,
+                cache_lag=spec.cache_lag if spec else 0,
+                resume_with_last_token=spec is not None,
             ),
             PageAllocator(num_pages, ps),
             EntryAllocator(config.max_running_requests),
@@ -109,6 +142,7 @@ class Engine:
             params, mc, state, page_size=ps, max_running=config.max_running_requests,
             max_prefill_requests=config.max_prefill_requests, chunked_prefill_size=config.chunked_prefill_size,
             table_width=table_width, batch_buckets=config.batch_buckets, attention=self._attention_fn(),
+            drafter=self.drafter,
         )
         self.requests: dict[str, Request] = {}
         self._inflight: LaunchedStep | None = None
@@ -117,6 +151,7 @@ class Engine:
         self.tokens_generated = 0
         self.overlap = not config.disable_overlap
         self.guard_launch = False  # tests set this: launches run under sync_guard.no_host_sync()
+        self._accepted = (0, 0)  # (tokens, rows) of the speculative step processed last
 
     # -- set-up helpers -------------------------------------------------------------------------
     def _attention_fn(self):
@@ -125,13 +160,13 @@ class Engine:
             backend = "xla"
         if backend == "xla":
             return None
-        from jaxoverlap import pallas_kernels
-
-        return pallas_kernels.attention_fn(backend)
+        return _pallas_attention(interpret=jax.default_backend() != "gpu")
 
     def _kv_tokens_from_memory(self, params, table_width: int) -> int:
         mc = self.model_config
         per_token = kv_cache_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if self.drafter is not None:
+            per_token += self.drafter.kv_bytes_per_token
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -216,12 +251,20 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()  # decided from results up to step N-1
         t1 = time.perf_counter()
+        early, fresh_s = [], 0.0
+        if batch is not None and self._inflight is not None and self.runner.needs_host_results(batch):
+            # Host n-gram: the drafts need step N's tokens, so this batch gives up overlap.
+            # Its reservations, made from older counts, still cover it.
+            prev, self._inflight = self._inflight, None
+            _, early = self._process(prev)
+            fresh_s = time.perf_counter() - t1
+        t1b = time.perf_counter()
         launched = self._launch(batch) if batch is not None else None  # step N+1 queued behind N
         t2 = time.perf_counter()
         prev, self._inflight = self._inflight, launched
         wait_s, outputs = self._process(prev)  # waits for step N only
-        self._record(batch, t1 - t0, t2 - t1, wait_s, time.perf_counter() - t2 - wait_s)
-        return outputs
+        self._record(batch, t1 - t0, t2 - t1b, wait_s, time.perf_counter() - t2 - wait_s, fresh_s)
+        return early + outputs
 
     def _step_normal(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -246,22 +289,29 @@ class Engine:
         updated: list[Request] = []
         if launched is not None:
             t = time.perf_counter()
-            tokens, logprobs = launched.fetch()
+            tokens, logprobs, accept_lens = launched.fetch()
             wait_s = time.perf_counter() - t
-            updated = self.scheduler.process(launched.batch, tokens, logprobs)
+            s = self.scheduler
+            before = (s.num_accepted_tokens, s.num_verify_rows)
+            updated = s.process(launched.batch, tokens, logprobs, accept_lens)
+            self._accepted = (s.num_accepted_tokens - before[0], s.num_verify_rows - before[1])
         finished = self.scheduler.poll_finished()
         return wait_s, self._make_outputs(updated, finished)
 
-    def _record(self, batch, prepare_s, launch_s, wait_s, process_s) -> None:
+    def _record(self, batch, prepare_s, launch_s, wait_s, process_s, fresh_wait_s=0.0) -> None:
         kind, size = (batch.kind, batch.size) if batch is not None else ("", 0)
-        self.timings.append(StepTiming(kind, size, prepare_s, launch_s, wait_s, process_s))
+        draft_s = self.runner.last_draft_s if batch is not None and self.runner.needs_host_results(batch) else 0.0
+        accepted, rows = self._accepted
+        self._accepted = (0, 0)
+        self.timings.append(StepTiming(kind, size, prepare_s, launch_s, wait_s, process_s, fresh_wait_s, draft_s,
+                                       accepted, rows))
 
     # -- outputs ----------------------------------------------------------------------------------
     def _check_stop_strings(self, req: Request) -> str | None:
         """Called for every new token: keep the request's text current and look for stop strings."""
         if req.detok is None:
             return None
-        req.text += req.detok.add(req.output_ids[-1])
+        req.text += req.detok.step([req.output_ids[-1]])
         stops = req.params.stop
         if not stops:
             return None
@@ -295,8 +345,8 @@ class Engine:
             outputs.append(
                 RequestOutput(
                     request_id=req.request_id, new_token_ids=new_ids, new_text=new_text,
-                    token_ids=list(req.output_ids), finished=req.finished, finish_reason=req.finish_reason,
-                    metrics=req.metrics, new_logprobs=new_lp,
+                    finished=req.finished, finish_reason=req.finish_reason, metrics=req.metrics,
+                    new_logprobs=new_lp, _output_ids=req.output_ids, _num_tokens=len(req.output_ids),
                 )
             )
             if req.finished:
@@ -318,6 +368,9 @@ class Engine:
             "tokens_generated": self.tokens_generated,
             "num_retractions": s.num_retractions,
             "num_steps": len(self.timings),
+            "speculative_algorithm": self.config.speculative_algorithm,
+            # Tokens per verified row, bonus included (1.0 without speculation).
+            "accept_length": s.num_accepted_tokens / s.num_verify_rows if s.num_verify_rows else 1.0,
         }
 
     def check_integrity(self) -> None:

@@ -42,11 +42,19 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    token_ids: list[int]  # all output tokens so far
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     metrics: RequestMetrics
     new_logprobs: list[float] | None = None
+    # The request's live output list and its length at this update: `token_ids` slices it
+    # only when asked, so a step does not copy every running request's whole output.
+    _output_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
+    _num_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All output tokens up to this update."""
+        return self._output_ids[: self._num_tokens]
 
 
 @dataclasses.dataclass

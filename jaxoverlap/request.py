@@ -37,6 +37,10 @@ class Request:
 
     # Prefill progress. fill_ids is the prompt, plus the output so far after a retraction.
     fill_ids: list[int] = dataclasses.field(default_factory=list)
+    # Speculative engines resume a retracted request with its last output token as the next
+    # input (fill_ids then ends before it), instead of sampling a new one after it: the
+    # request continues exactly as it would have without the retraction.
+    resume_token: int | None = None
     prefill_pos: int = 0  # next position to prefill
     # Positions whose K/V the host knows to be written once every launched prefill and
     # every processed decode step has run. The device may be up to one window ahead.

@@ -4,6 +4,11 @@
 jitted step (which returns at once under JAX's async dispatch) and starts the copy of the
 step's small outputs to the host. Tests run it under
 `jax.transfer_guard_device_to_host("disallow")`.
+
+With a drafter, decode batches launch the speculative step and prefill batches the
+prefill that also fills the drafter (speculative/step.py). The host n-gram drafter builds
+its drafts here from host data only; the wait for the previous step that it needs happens
+before `launch`, in the engine loop, where it is explicit and timed.
 """
 from __future__ import annotations
 
@@ -24,11 +29,19 @@ from jaxoverlap.scheduler import ScheduledBatch
 @dataclasses.dataclass
 class LaunchedStep:
     batch: ScheduledBatch
-    out: steps.StepOutput  # device arrays; their copy to the host has been started
+    out: object  # steps.StepOutput | SpecStepOutput, device arrays; their copy to the host has been started
 
-    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
-        """Wait for this step's small outputs (the only place the host waits for the device)."""
-        return np.asarray(self.out.tokens), np.asarray(self.out.logprobs)
+    def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Wait for this step's small outputs (the only place the host waits for the device).
+        Returns (tokens, logprobs, accept_lens or None for plain steps)."""
+        accept = getattr(self.out, "accept_lens", None)
+        return np.asarray(self.out.tokens), np.asarray(self.out.logprobs), None if accept is None else np.asarray(accept)
+
+
+def batch_samples(batch: ScheduledBatch) -> bool:
+    """Whether any row samples (temperature > 0): a static flag of the step, so all-greedy
+    batches compile without the vocabulary sort."""
+    return any(row.req.params.temperature > 0 for row in batch.rows)
 
 
 class ModelRunner:
@@ -45,8 +58,12 @@ class ModelRunner:
         table_width: int,
         batch_buckets: tuple[int, ...] | None = None,
         attention=None,
+        drafter=None,
     ):
         self.params = params
+        self.drafter = drafter  # speculative.setup.Drafter or None
+        self.spec = drafter.spec if drafter is not None else None
+        self.last_draft_s = 0.0  # host drafting time of the last launch (host n-gram)
         self.model_cfg = model_cfg
         self.state = state
         self.page_size = page_size
@@ -58,9 +75,11 @@ class ModelRunner:
         self.prefill_row_buckets = powers_of_two_up_to(max_prefill_requests)
         self.prefill_len_buckets = powers_of_two_up_to(chunked_prefill_size, start=min(16, chunked_prefill_size))
         self.ctx_buckets = powers_of_two_up_to(table_width, start=min(table_width, max(64, page_size)))
-        # A decode step reserves at most this many pages per row (two windows of one token
-        # plus rounding), so its reservation arrays have a fixed size per batch bucket.
-        self.decode_pages_per_row = -(-2 // page_size) + 1
+        # A decode step reserves at most this many pages per row (two windows plus the
+        # drafter's lookahead, plus rounding), so its reservation arrays have a fixed size
+        # per batch bucket.
+        window, lookahead = (self.spec.window, self.spec.lookahead) if self.spec else (1, 0)
+        self.decode_pages_per_row = -(-(2 * window + lookahead) // page_size) + 1
 
     # -- array building ---------------------------------------------------------------------
     def _reservations(self, batch: ScheduledBatch, capacity: int) -> steps.Reservations:
@@ -75,14 +94,20 @@ class ModelRunner:
         return pick(self.ctx_buckets, min(batch.ctx_len, self.table_width))
 
     # -- launch -----------------------------------------------------------------------------
+    def needs_host_results(self, batch: ScheduledBatch) -> bool:
+        """Whether this batch can only launch once the previous step's tokens are on the host."""
+        return self.spec is not None and self.spec.host_drafts and batch.kind == "decode"
+
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         if batch.kind == "prefill":
-            out = self._launch_prefill(batch)
+            out = self._launch_spec_prefill(batch) if self.spec else self._launch_prefill(batch)
         else:
-            out = self._launch_decode(batch)
+            out = self._launch_spec_decode(batch) if self.spec else self._launch_decode(batch)
         # Start the copy now so that the host's later wait is for the step, not the copy.
         out.tokens.copy_to_host_async()
         out.logprobs.copy_to_host_async()
+        if getattr(out, "accept_lens", None) is not None:
+            out.accept_lens.copy_to_host_async()
         return LaunchedStep(batch, out)
 
     def _launch_decode(self, batch: ScheduledBatch) -> steps.StepOutput:
@@ -93,6 +118,64 @@ class ModelRunner:
         self.state, out = steps.decode_step(
             self.params, self.state, entries, res,
             cfg=self.model_cfg, ctx_len=self._ctx_len(batch), page_size=self.page_size, attention=self.attention,
+            sampling=batch_samples(batch),
+        )
+        return out
+
+    def _launch_spec_decode(self, batch: ScheduledBatch):
+        from jaxoverlap.speculative.step import HostDrafts, spec_decode_step
+
+        B = pick(self.batch_buckets, batch.size)
+        entries = np.zeros((B,), np.int32)  # padded rows on entry 0
+        entries[: batch.size] = [row.req.entry for row in batch.rows]
+        res = self._reservations(batch, max(8, B * self.decode_pages_per_row))
+        host_drafts = None
+        if self.spec.host_drafts:
+            t = time.perf_counter()
+            tokens, counts = self.drafter.host.drafts([row.req for row in batch.rows], B)
+            self.last_draft_s = time.perf_counter() - t
+            host_drafts = HostDrafts(tokens, counts)
+        self.state, out = spec_decode_step(
+            self.params, self.drafter.params, self.state, entries, res, host_drafts,
+            cfg=self.model_cfg, spec=self.spec, ctx_len=self._ctx_len(batch), page_size=self.page_size,
+            attention=self.attention, sampling=batch_samples(batch),
+        )
+        return out
+
+    def _launch_spec_prefill(self, batch: ScheduledBatch):
+        from jaxoverlap.speculative.step import SpecPrefillInputs, spec_prefill_step
+
+        R = pick(self.prefill_row_buckets, batch.size)
+        # Column 0 of each row is the token before the chunk (read, not written, by the target).
+        T = pick(self.prefill_len_buckets, 1 + max(row.length for row in batch.rows))
+        tokens = np.zeros((R, T), np.int32)
+        starts = np.zeros((R,), np.int32)
+        lens = np.zeros((R,), np.int32)
+        entries = np.zeros((R,), np.int32)
+        is_last = np.zeros((R,), bool)
+        given = np.zeros((R,), np.int32)
+        has_given = np.zeros((R,), bool)
+        temperature = np.zeros((R,), np.float32)
+        top_k = np.zeros((R,), np.int32)
+        top_p = np.ones((R,), np.float32)
+        min_p = np.zeros((R,), np.float32)
+        seed = np.zeros((R,), np.uint32)
+        for i, row in enumerate(batch.rows):
+            req, p = row.req, row.req.params
+            tokens[i, 1 : 1 + row.length] = req.fill_ids[row.start : row.start + row.length]
+            if row.start > 0:
+                tokens[i, 0] = req.fill_ids[row.start - 1]
+            if row.is_last and req.resume_token is not None:
+                given[i], has_given[i] = req.resume_token, True
+            starts[i], lens[i], entries[i], is_last[i] = row.start, row.length, req.entry, row.is_last
+            temperature[i], top_k[i], top_p[i], min_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.min_p, req.seed
+        inp = SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, temperature, top_k, top_p,
+                                min_p, seed)
+        res = self._reservations(batch, next_power_of_two(len(batch.reservations), minimum=8))
+        self.state, out = spec_prefill_step(
+            self.params, self.drafter.params, self.state, inp, res,
+            cfg=self.model_cfg, spec=self.spec, ctx_len=self._ctx_len(batch), page_size=self.page_size,
+            attention=self.attention, sampling=batch_samples(batch),
         )
         return out
 
@@ -118,5 +201,6 @@ class ModelRunner:
         self.state, out = steps.prefill_step(
             self.params, self.state, inp, res,
             cfg=self.model_cfg, ctx_len=self._ctx_len(batch), page_size=self.page_size, attention=self.attention,
+            sampling=batch_samples(batch),
         )
         return out

@@ -6,6 +6,12 @@ still in flight, so the device's length of a request can be one window ahead of 
 host's count (`kv_committed`), and step N+1 writes one more window. Every running row is
 therefore kept filled two windows beyond `kv_committed`, rounded up to whole pages, and
 capped at the table width (positions past the table go to the dummy slot on the device).
+
+Speculative steps (window = 1 + draft tokens): a row gains `accept_len` tokens (1..window)
+per step, and the host learns it one step late. A drafter whose cache runs ahead of the
+target's (the EAGLE head keeps its state for position p in the slot of p + 1) needs
+`lookahead` more reserved positions; positions after a rejected draft are simply
+overwritten by the next window.
 """
 from __future__ import annotations
 
@@ -28,6 +34,13 @@ class SchedulerConfig:
     max_context_len: int  # a request's prompt + output never exceeds this
     table_width: int  # columns of req_to_token (max_context_len rounded up to pages)
     window: int = 1  # tokens a step can add to a request (1 + draft tokens when speculating)
+    lookahead: int = 0  # positions past the window the drafter's cache writes (EAGLE head: 1)
+    # Trailing positions of kv_committed whose drafter state may still be stale (the draft
+    # model rewrites position seq_len - 1 at the start of each step): not prefix-cached.
+    cache_lag: int = 0
+    # Resume a retracted request from its last output token (see Request.resume_token)
+    # rather than by sampling a new token after all of its output.
+    resume_with_last_token: bool = False
 
 
 @dataclasses.dataclass
@@ -77,6 +90,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_since_last_poll: list[Request] = []
         self.num_retractions = 0
+        # Speculative decoding: tokens the device accepted (bonus included) over processed rows.
+        self.num_accepted_tokens = 0
+        self.num_verify_rows = 0
 
     # -- requests in and out ------------------------------------------------------------------
     def fits(self, prompt_len: int) -> bool:
@@ -118,8 +134,8 @@ class Scheduler:
             self._finish(self.prefilling, "abort")
 
     def _reserved_target(self, num_positions: int) -> int:
-        """Pages a row needs so that positions [0, num_positions + 2 windows) are reserved."""
-        want = min(num_positions + 2 * self.cfg.window, self.cfg.table_width)
+        """Pages a row needs so that positions [0, num_positions + 2 windows + lookahead) are reserved."""
+        want = min(num_positions + 2 * self.cfg.window + self.cfg.lookahead, self.cfg.table_width)
         return _cdiv(want, self.cfg.page_size)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
@@ -234,6 +250,11 @@ class Scheduler:
         req.epoch += 1
         # Resume by prefilling everything so far; the output is kept.
         req.fill_ids = req.prompt_ids + req.output_ids
+        req.resume_token = None
+        if self.cfg.resume_with_last_token and req.output_ids:
+            # The last token has no K/V yet: it is the next step's input, as before.
+            req.fill_ids = req.fill_ids[:-1]
+            req.resume_token = req.output_ids[-1]
         req.prefill_pos = 0
         req.kv_committed = 0
         req.metrics.num_retractions += 1
@@ -241,12 +262,15 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- results ------------------------------------------------------------------------------
-    def process(self, batch: ScheduledBatch, tokens, logprobs) -> list[Request]:
+    def process(self, batch: ScheduledBatch, tokens, logprobs, accept_lens=None) -> list[Request]:
         """Bookkeeping for a step whose small outputs have reached the host.
 
-        tokens, logprobs: sequences with one value per row (padded rows are ignored). Rows
-        of requests that finished or were retracted after the launch are dropped: that is
-        the one extra step a late-detected finish costs.
+        Plain steps: tokens, logprobs have one value per row (padded rows are ignored).
+        Speculative decode steps: tokens, logprobs are [rows, window] and accept_lens [rows]
+        says how many of each row's tokens the device accepted (bonus included). A stop
+        condition met mid-window ends the request there; the rest of its window is
+        dropped. Rows of requests that finished or were retracted after the launch are
+        dropped: that is the one extra step a late-detected finish costs.
         """
         now = time.perf_counter()
         updated: list[Request] = []
@@ -258,14 +282,32 @@ class Scheduler:
                 if not row.is_last:
                     continue
                 req.metrics.first_token_time = req.metrics.first_token_time or now
-            else:
+                if req.resume_token is not None:
+                    req.resume_token = None  # the prefill used the token it already had
+                    continue
+                new = [(tokens[i], logprobs[i])]
+            elif accept_lens is None:
                 req.kv_committed += 1  # the step wrote the K/V of its input token
                 req.metrics.num_steps += 1
-            req.output_ids.append(int(tokens[i]))
-            req.output_logprobs.append(float(logprobs[i]))
+                new = [(tokens[i], logprobs[i])]
+            else:
+                n = int(accept_lens[i])
+                # The device's length grew by n whatever the host keeps: K/V of the input
+                # token and of the n - 1 accepted drafts.
+                req.kv_committed += n
+                req.metrics.num_steps += 1
+                self.num_accepted_tokens += n
+                self.num_verify_rows += 1
+                new = list(zip(tokens[i][:n], logprobs[i][:n]))
+            reason = None
+            for tok, lp in new:
+                req.output_ids.append(int(tok))
+                req.output_logprobs.append(float(lp))
+                reason = self._check_stop(req)
+                if reason is not None:
+                    break
             req.metrics.output_tokens = len(req.output_ids)
             updated.append(req)
-            reason = self._check_stop(req)
             if reason is not None:
                 self._finish(req, reason)
         return updated
@@ -301,7 +343,7 @@ class Scheduler:
         ps = self.cfg.page_size
         to_free = req.pages[len(req.prefix_nodes):]
         if cache and self.prefix.enabled:
-            n_full = min(req.kv_committed, len(req.all_ids)) // ps
+            n_full = max(0, min(req.kv_committed - self.cfg.cache_lag, len(req.all_ids))) // ps
             rejected = self.prefix.insert(req.all_ids[: n_full * ps], req.pages[:n_full])
             keep = set(req.pages[:n_full]) - set(rejected)
             to_free = [p for p in req.pages if p not in keep]

@@ -77,7 +77,7 @@ def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "ctx_len", "page_size", "attention"),
+    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )
 def decode_step(
@@ -90,6 +90,7 @@ def decode_step(
     ctx_len: int,
     page_size: int,
     attention=xla_paged_attention,
+    sampling: bool = True,
 ):
     """One plain decoding step for B rows: one token per row, everything read from the relay."""
     req_to_token = apply_reservations(state.req_to_token, res, page_size)
@@ -110,10 +111,10 @@ def decode_step(
     logits = lm_logits(params, hidden[:, 0])  # [B, V]
     next_tokens, logprobs = sample(
         logits, relay.temperature[entries], relay.top_k[entries], relay.top_p[entries],
-        relay.min_p[entries], relay.seed[entries], lens + 1,
+        relay.min_p[entries], relay.seed[entries], lens + 1, sampling=sampling,
     )
     relay = _write_relay(relay, entries, lens + 1, next_tokens)
-    state = DeviceState(k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
+    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
     return state, StepOutput(tokens=next_tokens, logprobs=logprobs)
 
 
@@ -133,7 +134,7 @@ class PrefillInputs:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "ctx_len", "page_size", "attention"),
+    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )
 def prefill_step(
@@ -146,6 +147,7 @@ def prefill_step(
     ctx_len: int,
     page_size: int,
     attention=xla_paged_attention,
+    sampling: bool = True,
 ):
     """One chunk of prompt for each of R rows, over the cached prefix of each row.
 
@@ -172,10 +174,11 @@ def prefill_step(
     last = jnp.maximum(inp.chunk_lens - 1, 0)
     last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [R, D]
     logits = lm_logits(params, last_hidden)
-    next_tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed, kv_lens)
+    next_tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed, kv_lens,
+                                   sampling=sampling)
     relay = _write_relay(
         state.relay, inp.entries, kv_lens, next_tokens,
         temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p, seed=inp.seed,
     )
-    state = DeviceState(k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
+    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
     return state, StepOutput(tokens=next_tokens, logprobs=logprobs)

@@ -1,0 +1,260 @@
+"""Speculative decoding on Qwen3-8B shapes with dummy weights (and a dummy EAGLE head):
+speculative step time against plain step time, overlap on and off, host time per step, and
+the host n-gram wait against the on-device n-gram lookup. Every figure sits next to the
+accept length it was measured at: two runs compare only at the same accept length.
+
+    python benchmarks/spec_bench.py --batches 1 8 32 --out spec_bench.json
+    python benchmarks/spec_bench.py --tiny            # CPU smoke run
+
+One engine per drafter shares the target's weights. Each (drafter, batch) compiles one
+decode and one prefill program (about half a minute each on 8B shapes): pass
+--compilation-cache-dir to make reruns cheap, and --algos / --batches to split the work
+over several runs. Results are written after every row, so a run cut short keeps them.
+
+Prompts are --prompt-len tokens (default 127: a speculative prefill row carries one more
+token, the one before the chunk, so 127 + 1 stays in the 128 bucket); --prompt-kind repeat
+builds them from a repeated 16-token piece so that the n-gram drafters find matches.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import QWEN3_8B, ensure_importable, median, model_dir, print_table  # noqa: E402
+
+TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+ALGOS = ("plain", "eagle", "ngram", "ngram_device")
+
+
+def make_engine(args, algo, model_path, cfg, params):
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+
+    max_b = max(args.batches)
+    ctx = args.max_context_len
+    spec = {} if algo == "plain" else dict(speculative_algorithm=algo, speculative_num_steps=args.num_steps)
+    return Engine(EngineConfig(
+        model=model_path, load_format="dummy", dtype=args.dtype, max_running_requests=max_b, max_context_len=ctx,
+        kv_cache_tokens=max_b * ctx, chunked_prefill_size=1024, max_prefill_requests=8, page_size=16,
+        batch_buckets=tuple(sorted(args.batches)), attention_backend=args.attention_backend,
+        compilation_cache_dir=args.compilation_cache_dir, **spec,
+    ), model_config=cfg, params=params)
+
+
+def prompts(args, vocab, batch_size, seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(batch_size):
+        if args.prompt_kind == "repeat":
+            piece = [int(t) for t in rng.integers(0, vocab, 16)]
+            out.append((piece * (args.prompt_len // 16 + 1))[: args.prompt_len])
+        else:
+            out.append([int(t) for t in rng.integers(0, vocab, args.prompt_len)])
+    return out
+
+
+def run_workload(engine, args, batch_size, new_tokens, seed):
+    from jaxoverlap.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    drafter = engine.runner.drafter
+    if drafter is not None and drafter.host is not None:
+        drafter.host.clear()  # each run starts from an empty trie, not from the last run's text
+    for i, p in enumerate(prompts(args, engine.model_config.vocab_size, batch_size, seed)):
+        engine.add_request(f"b{batch_size}-{seed}-{i}", p, params)
+    start = len(engine.timings)
+    t = time.perf_counter()
+    finals = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o.token_ids
+    wall = time.perf_counter() - t
+    # Steady state: decode (plain or speculative) iterations with the full batch.
+    dec = [x for x in list(engine.timings)[start:] if x.kind == "decode" and x.batch_size == batch_size]
+    period = median([x.prepare_s + x.launch_s + x.wait_s + x.process_s + x.fresh_wait_s for x in dec])
+    rows = sum(x.verify_rows for x in dec)
+    accept = sum(x.accepted_tokens for x in dec) / rows if rows else 1.0
+    return {
+        "wall_s": wall,
+        "tokens": sum(len(v) for v in finals.values()),
+        "decode_steps": len(dec),
+        "accept_length": accept,
+        "step_period_ms": period * 1e3,
+        "decode_tok_s": batch_size * accept / period if dec else float("nan"),
+        "e2e_tok_s": sum(len(v) for v in finals.values()) / wall,
+        "host_prepare_ms": median([x.prepare_s for x in dec]) * 1e3,
+        "host_launch_ms": median([x.launch_s for x in dec]) * 1e3,
+        "host_process_ms": median([x.process_s for x in dec]) * 1e3,
+        "host_total_ms": median([x.prepare_s + x.launch_s + x.process_s for x in dec]) * 1e3,
+        "wait_ms": median([x.wait_s for x in dec]) * 1e3,
+        # Host n-gram: blocked on the previous step before the launch, and the trie lookup.
+        "ngram_wait_ms": median([x.fresh_wait_s for x in dec]) * 1e3,
+        "draft_ms": median([x.draft_s for x in dec]) * 1e3,
+        "outputs": finals,
+    }
+
+
+def device_step_ms(engine, batch_size, ctx_len, iters):
+    """Back-to-back steps with no host work between them (async dispatch keeps the queue
+    full): the device time of one plain or speculative step. The rows start at length 0
+    and write slots of freed pages, which is harmless here; the relay lengths are reset
+    afterwards so the engine's bookkeeping stays true. Returns (ms, accept length)."""
+    import jax
+    import numpy as np
+
+    from jaxoverlap import steps
+
+    r = engine.runner
+    entries = np.arange(1, batch_size + 1, dtype=np.int32)
+    cap = max(8, batch_size * r.decode_pages_per_row)
+    res = steps.Reservations(np.zeros(cap, np.int32), np.zeros(cap, np.int32), np.zeros(cap, np.int32))
+
+    def reset():
+        relay = r.state.relay
+        r.state = dataclasses.replace(r.state, relay=dataclasses.replace(relay, seq_lens=relay.seq_lens * 0))
+
+    if r.spec is None:
+        def call():
+            r.state, out = steps.decode_step(r.params, r.state, entries, res, cfg=r.model_cfg, ctx_len=ctx_len,
+                                             page_size=r.page_size, attention=r.attention, sampling=False)
+            return out
+    else:
+        from jaxoverlap.speculative.step import HostDrafts, spec_decode_step
+
+        host = None
+        if r.spec.host_drafts:  # the device cost only; the host lookup is measured in the workload
+            host = HostDrafts(np.zeros((batch_size, r.spec.num_draft), np.int32),
+                              np.full((batch_size,), r.spec.num_draft, np.int32))
+
+        def call():
+            r.state, out = spec_decode_step(r.params, r.drafter.params, r.state, entries, res, host,
+                                            cfg=r.model_cfg, spec=r.spec, ctx_len=ctx_len, page_size=r.page_size,
+                                            attention=r.attention, sampling=False)  # the greedy program
+            return out
+
+    reset()
+    jax.block_until_ready(call().tokens)
+    reset()
+    outs = []
+    t = time.perf_counter()
+    for _ in range(iters):
+        outs.append(call())
+    jax.block_until_ready(outs[-1].tokens)
+    ms = (time.perf_counter() - t) / iters * 1e3
+    accept = 1.0
+    if r.spec is not None:
+        accept = float(np.mean([np.asarray(o.accept_lens).mean() for o in outs]))
+    reset()
+    return ms, accept
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    ap.add_argument("--num-steps", type=int, default=3, help="draft tokens per step (window = 1 + this)")
+    ap.add_argument("--prompt-len", type=int, default=127)
+    ap.add_argument("--prompt-kind", choices=("random", "repeat"), default="repeat")
+    ap.add_argument("--new-tokens", type=int, default=120)
+    ap.add_argument("--max-context-len", type=int, default=512)
+    ap.add_argument("--device-iters", type=int, default=30)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention-backend", default="xla")
+    ap.add_argument("--compilation-cache-dir", default=None)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    ap.add_argument("--out", default="spec_bench.json")
+    args = ap.parse_args()
+    if args.tiny:
+        args.dtype = "float32"
+        args.device_iters = min(args.device_iters, 5)
+    ensure_importable()
+    import jax
+    import jax.numpy as jnp
+
+    from jaxoverlap.buckets import pick
+    from jaxoverlap.models.config import ModelConfig
+    from jaxoverlap.models.loader import dummy_params
+
+    hf = TINY if args.tiny else QWEN3_8B
+    path = model_dir(hf)
+    cfg = ModelConfig.from_hf_dict(hf)
+    t0 = time.perf_counter()
+    params = dummy_params(cfg, jnp.dtype(args.dtype), seed=0)  # shared by every engine
+    jax.block_until_ready(params)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    print(f"device {jax.devices()[0].device_kind}; weights {weight_bytes / 1e9:.2f} GB in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
+            "commit": commit, "weight_bytes": weight_bytes, "args": vars(args)}
+    rows, plain_ms = [], {}
+    cols = ["batch", "algo", "accept_length", "normal_accept_length", "device_step_ms", "device_accept",
+            "ms_per_token", "speedup_vs_plain", "overlap_period_ms", "normal_period_ms", "overlap_tok_s",
+            "normal_tok_s", "host_total_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
+    for algo in args.algos:
+        tc = time.perf_counter()
+        engine = make_engine(args, algo, path, cfg, params)
+        print(f"\n{algo}: engine ready in {time.perf_counter() - tc:.1f} s", flush=True)
+        for B in args.batches:
+            tc = time.perf_counter()
+            run_workload(engine, args, B, 4, seed=99)  # compile this batch's programs
+            compile_s = time.perf_counter() - tc
+            # The context bucket of the workload's last steps: reserved up to two windows
+            # (plus the drafter's lookahead) past the longest request, in whole pages.
+            spec = engine.runner.spec
+            reserved = args.prompt_len + args.new_tokens + (2 * spec.window + spec.lookahead if spec else 2)
+            ctx = pick(engine.runner.ctx_buckets, min(-(-reserved // 16) * 16, engine.runner.table_width))
+            dev_ms, dev_accept = device_step_ms(engine, B, ctx, args.device_iters)
+            res = {}
+            for overlap in (True, False):
+                engine.set_overlap(overlap)
+                res[overlap] = run_workload(engine, args, B, args.new_tokens, seed=B)
+            engine.set_overlap(True)
+            same = res[True].pop("outputs") == res[False].pop("outputs")
+            ov, no = res[True], res[False]
+            if algo == "plain":
+                plain_ms[B] = ov["step_period_ms"]
+            ms_per_token = ov["step_period_ms"] / ov["accept_length"]
+            rows.append({
+                "batch": B, "algo": algo, "compile_s": compile_s, "ctx_len": ctx,
+                "device_step_ms": dev_ms, "device_accept": dev_accept,
+                "accept_length": ov["accept_length"], "normal_accept_length": no["accept_length"],
+                "ms_per_token": ms_per_token,
+                "speedup_vs_plain": plain_ms[B] / ms_per_token if B in plain_ms else float("nan"),
+                "overlap_period_ms": ov["step_period_ms"], "normal_period_ms": no["step_period_ms"],
+                "overlap_tok_s": ov["decode_tok_s"], "normal_tok_s": no["decode_tok_s"],
+                "overlap_gain": ov["decode_tok_s"] / no["decode_tok_s"] - 1,
+                "host_prepare_ms": ov["host_prepare_ms"], "host_launch_ms": ov["host_launch_ms"],
+                "host_process_ms": ov["host_process_ms"], "host_total_ms": ov["host_total_ms"],
+                "normal_host_total_ms": no["host_total_ms"], "normal_wait_ms": no["wait_ms"],
+                "ngram_wait_ms": ov["ngram_wait_ms"], "draft_ms": ov["draft_ms"],
+                "greedy_identical": same, "detail": res,
+            })
+            print_table(rows[-1:], cols)
+            with open(args.out, "w") as f:
+                json.dump(dict(meta, rows=rows), f, indent=1)
+        del engine
+        gc.collect()
+    print("\nsummary (accept_length: tokens per verified row, bonus included; device_accept: of the back-to-back "
+          "device steps)")
+    print_table(rows, cols)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The jitted speculative programs: one decode step = draft, verify, accept, extend, relay.
+
+Each is one program over (target params, drafter params, donated device state, small int
+arrays), like steps.py: nothing inside waits for the host, with or without overlap. The
+host hands a decode step entry ids and new reservations (and, for the host n-gram drafter
+only, the drafts); padded rows use entry 0, whose relay length stays 0 and whose writes go
+to the dummy page.
+
+Relay writes follow the article's order (section 4.1): the new lengths right after the
+verify pass ("publish"), then the bonus token and the drafter's state after draft extend
+("stash"). Inside one XLA program that order is the program's data flow, not a timeline:
+nothing outside the program can see the relay before the program ends.
+
+`sampling` is static (see verify.py): all-greedy batches run a program without the
+vocabulary sorts and the rejection sampler, and no program holds a `lax.cond`, whose
+predicate XLA would read back to the host on GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxoverlap.device_state import DeviceState, Relay
+from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.params import ModelParams
+from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
+from jaxoverlap.sampling import sample
+from jaxoverlap.speculative import draft_model, eagle, ngram_device
+from jaxoverlap.speculative.spec_config import SpecConfig
+from jaxoverlap.speculative.verify import SamplingRows, accept
+from jaxoverlap.steps import Reservations, StepOutput, apply_reservations
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecStepOutput:
+    """The small per-row results of a speculative step that travel to the host."""
+
+    tokens: jax.Array  # [B, W] int32: accepted drafts, then the bonus token, then -1
+    logprobs: jax.Array  # [B, W] float32 of those tokens under the target
+    accept_lens: jax.Array  # [B] int32: tokens the row gained (accepted drafts + 1)
+    drafts: jax.Array  # [B, k] int32: what the drafter proposed (kept on the device; for tests)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HostDrafts:
+    """Drafts built on the host (n-gram trie); absent (None) for every other drafter."""
+
+    tokens: jax.Array  # [B, k] int32
+    counts: jax.Array  # [B] int32 real drafts per row
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecPrefillInputs:
+    """A prefill chunk with one leading column: the token before the chunk (position s - 1),
+    which the target reads but does not write, so that the EAGLE head can pair the hidden
+    state of position s - 1 with the chunk's first token (see eagle.prefill)."""
+
+    tokens: jax.Array  # [R, T] int32: column 0 the token at s - 1 (0 when s == 0), then the chunk
+    starts: jax.Array  # [R] int32 s, the position of the chunk's first token
+    chunk_lens: jax.Array  # [R] int32 c (0 for padded rows); c + 1 <= T
+    entries: jax.Array  # [R] int32
+    is_last: jax.Array  # [R] bool: the chunk ends the prompt (its sampled token is the request's)
+    # [R] int32 / bool: a resumed (retracted) request's next token, used instead of sampling
+    # one, so that it continues as if it had never been retracted (Request.resume_token).
+    given_tokens: jax.Array
+    has_given: jax.Array
+    temperature: jax.Array  # [R] float32
+    top_k: jax.Array  # [R] int32
+    top_p: jax.Array  # [R] float32
+    min_p: jax.Array  # [R] float32
+    seed: jax.Array  # [R] uint32
+
+
+def _set(relay: Relay, entries, **fields) -> Relay:
+    return dataclasses.replace(relay, **{k: getattr(relay, k).at[entries].set(v) for k, v in fields.items()})
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling"),
+    donate_argnames=("state",),
+)
+def spec_decode_step(
+    params: ModelParams,
+    dparams,
+    state: DeviceState,
+    entries: jax.Array,  # [B] int32, padded rows on entry 0
+    res: Reservations,
+    host_drafts: HostDrafts | None,
+    *,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    ctx_len: int,
+    page_size: int,
+    attention=xla_paged_attention,
+    sampling: bool = True,
+):
+    """One speculative step for B rows, everything but the host n-gram drafts read from
+    the relay. Returns (state, SpecStepOutput)."""
+    req_to_token = apply_reservations(state.req_to_token, res, page_size)
+    relay = state.relay
+    B, k = entries.shape[0], spec.num_draft
+    W = k + 1
+    real = entries != 0
+    lens = relay.seq_lens[entries]  # [B] L: the window covers positions L .. L + k
+    bonus = relay.tokens[entries]  # [B] the previous step's bonus token, at position L
+    sp = SamplingRows.from_relay(relay, entries)
+    dk, dv = state.draft_k_cache, state.draft_v_cache
+    slot_tokens = state.slot_tokens
+    common = dict(ctx_len=ctx_len, attention=attention)
+    drafting = dict(sp=sp, sampling=sampling, **common)
+
+    # 1. Draft passes.
+    draft_probs = None
+    if spec.algorithm == "eagle":
+        drafts, draft_probs, dk, dv = eagle.propose(dparams, spec.draft_cfg, params, dk, dv, req_to_token, relay,
+                                                    entries=entries, lens=lens, num_draft=k, **drafting)
+        counts = jnp.where(real, k, 0)
+    elif spec.algorithm == "draft_model":
+        drafts, draft_probs, dk, dv = draft_model.propose(dparams, spec.draft_cfg, dk, dv, req_to_token, relay,
+                                                          entries=entries, lens=lens, bonus=bonus, num_draft=k,
+                                                          vocab=cfg.vocab_size, **drafting)
+        counts = jnp.where(real, k, 0)
+    elif spec.algorithm == "ngram_device":
+        drafts, counts = ngram_device.propose(slot_tokens, req_to_token, entries=entries, lens=lens, bonus=bonus,
+                                              num_draft=k, min_match=spec.ngram_min, max_match=spec.ngram_max,
+                                              ctx_len=ctx_len)
+    else:  # host n-gram
+        drafts, counts = host_drafts.tokens, jnp.where(real, host_drafts.counts, 0)
+
+    # 2. The target's verify pass over the window.
+    window = jnp.concatenate([bonus[:, None], drafts], axis=1)  # [B, W]
+    positions = lens[:, None] + jnp.arange(W)[None, :]  # [B, W]
+    hidden, k_cache, v_cache = forward(
+        params, cfg, state.k_cache, state.v_cache, req_to_token,
+        tokens=window, positions=positions, entries=entries, q_valid=jnp.broadcast_to(real[:, None], (B, W)),
+        kv_lens=lens + W, **common,
+    )
+    logits = lm_logits(params, hidden)  # [B, W, V]
+
+    # 3. Acceptance, and the new lengths ("publish").
+    out_tokens, accept_len, logprobs = accept(logits, drafts, counts, draft_probs, sp, lens, sampling=sampling,
+                                              backend=spec.accept_backend)
+    new_lens = jnp.where(real, lens + accept_len, 0)  # entry 0 stays at length 0
+    relay = _set(relay, entries, seq_lens=new_lens)
+    next_token = jnp.take_along_axis(out_tokens, (accept_len - 1)[:, None], axis=1)[:, 0]  # [B] the bonus
+
+    # 4. Draft extend, and the rest of the relay ("stash").
+    stash = dict(tokens=next_token)
+    if spec.algorithm == "eagle":
+        d1, g, dk, dv = eagle.extend(dparams, spec.draft_cfg, params, dk, dv, req_to_token, entries=entries, lens=lens,
+                                     out_tokens=out_tokens, accept_len=accept_len, hidden=hidden, **drafting)
+        stash.update(draft_token=d1, draft_hidden=g.astype(relay.draft_hidden.dtype))
+    elif spec.algorithm == "draft_model":
+        stash.update(last_token=draft_model.last_token(window, accept_len))
+    elif spec.algorithm == "ngram_device":
+        kept = (jnp.arange(W)[None, :] < accept_len[:, None]) & real[:, None]  # positions L .. L + a
+        slot_tokens = ngram_device.write_tokens(slot_tokens, req_to_token, entries, positions, window, kept)
+    relay = _set(relay, entries, **stash)
+    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
+                                draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens)
+    return state, SpecStepOutput(tokens=out_tokens, logprobs=logprobs, accept_lens=accept_len, drafts=drafts)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling"),
+    donate_argnames=("state",),
+)
+def spec_prefill_step(
+    params: ModelParams,
+    dparams,
+    state: DeviceState,
+    inp: SpecPrefillInputs,
+    res: Reservations,
+    *,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    ctx_len: int,
+    page_size: int,
+    attention=xla_paged_attention,
+    sampling: bool = True,
+):
+    """A prompt chunk per row through the target, then through the drafter so that the
+    first speculative step finds the drafter's state for the whole prompt."""
+    req_to_token = apply_reservations(state.req_to_token, res, page_size)
+    R, T = inp.tokens.shape
+    idx = jnp.arange(T)[None, :]  # [1, T]
+    positions = inp.starts[:, None] - 1 + idx  # [R, T]: the leading column sits at s - 1
+    writes = (idx >= 1) & (idx <= inp.chunk_lens[:, None])  # the chunk's own tokens
+    kv_lens = inp.starts + inp.chunk_lens
+    common = dict(ctx_len=ctx_len, attention=attention)
+    hidden, k_cache, v_cache = forward(
+        params, cfg, state.k_cache, state.v_cache, req_to_token,
+        tokens=inp.tokens, positions=positions, entries=inp.entries, q_valid=writes, kv_lens=kv_lens, **common,
+    )
+    last_hidden = jnp.take_along_axis(hidden, inp.chunk_lens[:, None, None], axis=1)[:, 0]  # [R, D] column c
+    sp = SamplingRows(inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed)
+    next_tokens, logprobs = sample(lm_logits(params, last_hidden), sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                   sp.seed, kv_lens, sampling=sampling)
+    next_tokens = jnp.where(inp.has_given, inp.given_tokens, next_tokens)
+    stash = dict(tokens=next_tokens, temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p,
+                 seed=inp.seed)
+    dk, dv, slot_tokens = state.draft_k_cache, state.draft_v_cache, state.slot_tokens
+    if spec.algorithm == "eagle":
+        d1, g, dk, dv = eagle.prefill(dparams, spec.draft_cfg, params, dk, dv, req_to_token, tokens=inp.tokens,
+                                      positions=positions, entries=inp.entries, chunk_lens=inp.chunk_lens,
+                                      is_last=inp.is_last, hidden=hidden, sampled=next_tokens, sp=sp,
+                                      sampling=sampling, **common)
+        stash.update(draft_token=d1, draft_hidden=g.astype(state.relay.draft_hidden.dtype))
+    elif spec.algorithm == "draft_model":
+        dk, dv = draft_model.prefill(dparams, spec.draft_cfg, dk, dv, req_to_token, tokens=inp.tokens,
+                                     positions=positions, entries=inp.entries, q_valid=writes, kv_lens=kv_lens,
+                                     **common)
+        stash.update(last_token=jnp.take_along_axis(inp.tokens, inp.chunk_lens[:, None], axis=1)[:, 0])
+    elif spec.algorithm == "ngram_device":
+        slot_tokens = ngram_device.write_tokens(slot_tokens, req_to_token, inp.entries, positions, inp.tokens, writes)
+    relay = _set(state.relay, inp.entries, seq_lens=jnp.where(inp.entries == 0, 0, kv_lens), **stash)
+    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
+                                draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens)
+    return state, StepOutput(tokens=next_tokens, logprobs=logprobs)

@@ -1,0 +1,217 @@
+"""Speculative decoding on the tiny engine: every drafter gives plain greedy output token
+for token, with and without overlap, under cache pressure and prefix sharing, with no
+device-to-host read on the launch path.
+
+Compile budget: every engine here has one batch bucket, one context bucket and one prefill
+length, and every draft model shares the target's config, so each drafter compiles one
+speculative step and two prefill programs for the whole file.
+"""
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_fixtures import VOCAB, make_engine, run_workload, tiny_config, tiny_params
+from jaxoverlap.models import eagle as eagle_models
+from jaxoverlap.sampling_params import SamplingParams
+
+# One cache size for every engine here: the cache's shape is part of each compiled program.
+# 120 tokens (30 pages of 4) forces retraction for the workloads below.
+OPTS = dict(max_running_requests=4, batch_buckets=(4,), max_prefill_requests=2, chunked_prefill_size=16,
+            max_context_len=64, kv_cache_tokens=120)
+DRAFTERS = ["eagle", "draft_model", "draft_is_target", "ngram", "ngram_device"]
+
+
+def drafter_kwargs(name: str) -> dict:
+    cfg = tiny_config()
+    if name == "draft_model":  # an unrelated model of the same shape: low acceptance
+        return dict(speculative_algorithm="draft_model", draft_model_config=cfg, draft_params=tiny_params(cfg, 1))
+    if name == "draft_is_target":  # drafts equal the target's tokens: every window is accepted
+        return dict(speculative_algorithm="draft_model", draft_model_config=cfg, draft_params=tiny_params(cfg))
+    return dict(speculative_algorithm=name)
+
+
+def spec_engine(name: str, cfg=None, params=None, **options):
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+
+    kw = drafter_kwargs(name)
+    engine_kw = {k: kw.pop(k) for k in ("draft_model_config", "draft_params") if k in kw}
+    cfg = cfg or tiny_config()
+    opts = dict(dtype="float32", page_size=4, **OPTS)
+    opts.update(kw)
+    opts.update(options)
+    return Engine(EngineConfig.from_options("/nonexistent-model", **opts), model_config=cfg,
+                  params=params if params is not None else tiny_params(cfg), **engine_kw)
+
+
+def workload(seed: int, n: int = 9, greedy: bool = True):
+    """Staggered arrivals, shared prefixes (page-aligned and not), repetitive prompts (so
+    that n-gram drafts get accepted), and for greedy=False a mix of greedy and seeded rows."""
+    rng = np.random.default_rng(seed)
+    shared = [int(t) for t in rng.integers(0, VOCAB, size=13)]
+    arrivals = {}
+    for i in range(n):
+        own = [int(t) for t in rng.integers(0, VOCAB, size=int(rng.integers(1, 20)))]
+        if i % 4 == 1:
+            own = (own[:3] * 6)[: len(own) + 6]
+        prompt = (shared + own) if i % 3 == 0 else own
+        params = SamplingParams(
+            max_new_tokens=int(rng.integers(1, 30)), ignore_eos=True,
+            temperature=0.0 if greedy or i % 2 else 0.9, top_k=0 if i % 4 else 8, top_p=1.0 if i % 3 else 0.9,
+            seed=1000 + i,
+        )
+        arrivals.setdefault(int(rng.integers(0, 20)), []).append((f"r{i}", prompt, params))
+    return arrivals
+
+
+def assert_drained(engine):
+    engine.check_integrity()
+    s = engine.scheduler
+    assert not s.running and not s.waiting and s.prefilling is None
+    assert s.entries.num_free == engine.config.max_running_requests
+    assert s.pages.num_free + s.prefix.num_pages == s.pages.capacity
+
+
+_plain_cache = {}
+
+
+def plain_outputs(arrivals_seed: int, greedy: bool):
+    key = (arrivals_seed, greedy)
+    if key not in _plain_cache:
+        eng = make_engine(**OPTS)
+        finals = run_workload(eng, workload(arrivals_seed, greedy=greedy))
+        _plain_cache[key] = {k: v.token_ids for k, v in finals.items()}
+    return _plain_cache[key]
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_greedy_speculative_equals_plain_with_and_without_overlap(name):
+    """A cache small enough to force retraction, shared prefixes, staggered arrivals; every
+    launch runs under the transfer guard (the host n-gram wait is outside the launch)."""
+    want = plain_outputs(0, True)
+    stats = {}
+    for overlap in (True, False):
+        eng = spec_engine(name, disable_overlap=not overlap)
+        eng.guard_launch = True
+        finals = run_workload(eng, workload(0))
+        assert {k: v.token_ids for k, v in finals.items()} == want, (name, overlap)
+        assert_drained(eng)
+        stats[overlap] = eng.stats()
+        timings = list(eng.timings)
+        waited = sum(t.fresh_wait_s > 0 for t in timings)
+        if name == "ngram" and overlap:
+            assert waited > 0, "the host n-gram drafter must wait for the previous step"
+        else:
+            assert waited == 0
+        if name == "draft_is_target":
+            # Long accepts: nearly every verified window is accepted whole.
+            assert stats[overlap]["accept_length"] > 3.5
+            assert max(f.metrics.accept_length for f in finals.values()) > 3.0
+    assert min(s["num_retractions"] for s in stats.values()) > 0, "the small cache should force retraction"
+    assert stats[True]["accept_length"] == pytest.approx(stats[False]["accept_length"], rel=0.05)
+    assert stats[True]["accept_length"] >= 1.0
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_seeded_sampling_identical_with_and_without_overlap(name):
+    """Mixed greedy and sampled rows: sampled rows depend only on (seed, position) and the
+    drafts, and the greedy rows still equal plain greedy decoding. The host trie is shared
+    by all requests, so its drafts, and with them a sampled row's tokens (not their
+    distribution), depend on what the other requests had produced when the row looked up:
+    for it only the greedy rows are compared across loops."""
+    plain = plain_outputs(1, False)
+    outs = []
+    for overlap in (True, False):
+        eng = spec_engine(name, disable_overlap=not overlap)
+        finals = run_workload(eng, workload(1, greedy=False))
+        outs.append({k: v.token_ids for k, v in finals.items()})
+        assert_drained(eng)
+    params = {rid: p for reqs in workload(1, greedy=False).values() for rid, _, p in reqs}
+    for rid, p in params.items():
+        assert len(outs[0][rid]) == len(outs[1][rid]) == p.max_new_tokens
+        if p.temperature == 0:
+            assert outs[0][rid] == outs[1][rid] == plain[rid], rid
+        elif name != "ngram":
+            assert outs[0][rid] == outs[1][rid], rid
+
+
+def bigram_models():
+    """A target whose layers add nothing (zero output projections), so it predicts the next
+    token from the current one alone, and an EAGLE head that does the same from its token
+    input: the head's drafts are exactly the target's tokens, every window is accepted.
+    Same shapes (and so the same compiled programs) as the random models."""
+    cfg = tiny_config()
+    target = tiny_params(cfg)
+    target = dataclasses.replace(target, layers=tuple(
+        dataclasses.replace(lw, wo=jnp.zeros_like(lw.wo), w_down=jnp.zeros_like(lw.w_down)) for lw in target.layers))
+    hcfg = eagle_models.head_config(cfg)
+    head = eagle_models.dummy_eagle_params(hcfg, jnp.float32)
+    D = cfg.hidden_size
+    fc = jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))], axis=0)  # [2D, D]: take the token embedding
+    layer = dataclasses.replace(head.layer, wo=jnp.zeros_like(head.layer.wo), w_down=jnp.zeros_like(head.layer.w_down))
+    return cfg, target, hcfg, dataclasses.replace(head, fc=fc, layer=layer)
+
+
+def test_eagle_long_accepts_on_a_predictable_target():
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+
+    cfg, target, hcfg, head = bigram_models()
+    arrivals = workload(2, n=5)
+    plain = make_engine(**OPTS)
+    plain.runner.params = target
+    want = {k: v.token_ids for k, v in run_workload(plain, arrivals).items()}
+    for overlap in (True, False):
+        opts = dict(dtype="float32", page_size=4, speculative_algorithm="eagle", disable_overlap=not overlap, **OPTS)
+        eng = Engine(EngineConfig.from_options("/nonexistent-model", **opts), model_config=cfg, params=target,
+                     eagle_config=hcfg, eagle_params=head)
+        finals = run_workload(eng, arrivals)
+        assert {k: v.token_ids for k, v in finals.items()} == want
+        assert eng.stats()["accept_length"] > 3.5
+        assert_drained(eng)
+
+
+@pytest.mark.parametrize("name", ["eagle", "ngram_device"])
+def test_padded_rows_never_touch_real_rows(name):
+    """The same speculative step with the padded rows (entry 0) first or last leaves the real
+    rows' outputs and every part of the device state outside entry 0 and the dummy page
+    identical: padded rows write only there, drafter state included."""
+    import jax
+
+    from jaxoverlap import steps
+    from jaxoverlap.speculative.step import spec_decode_step
+
+    eng = spec_engine(name, disable_overlap=True)
+    for i, prompt in enumerate(([5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3])):
+        eng.add_request(f"p{i}", prompt, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    while any(r.status.value != "running" or not r.output_ids for r in eng.requests.values()):
+        eng.step()
+    r = eng.runner
+    e1, e2 = (req.entry for req in eng.requests.values())
+    empty = steps.Reservations(*(np.zeros(8 * r.decode_pages_per_row, np.int32) for _ in range(3)))
+
+    def run(entries):
+        state = jax.tree.map(lambda x: jnp.array(x, copy=True), r.state)
+        return spec_decode_step(r.params, r.drafter.params, state, np.array(entries, np.int32), empty, None,
+                                cfg=r.model_cfg, spec=r.spec, ctx_len=r.ctx_buckets[0], page_size=r.page_size,
+                                attention=r.attention, sampling=False)
+
+    a, out_a = run([e1, e2, 0, 0])
+    b, out_b = run([0, e1, 0, e2])
+    for field in ("tokens", "accept_lens", "logprobs", "drafts"):
+        x, y = np.asarray(getattr(out_a, field)), np.asarray(getattr(out_b, field))
+        np.testing.assert_array_equal(x[:2], y[[1, 3]], err_msg=field)
+    ps = r.page_size
+    for path, x in jax.tree_util.tree_leaves_with_path(a):
+        y = dict(jax.tree_util.tree_leaves_with_path(b))[path]
+        x, y = np.asarray(x), np.asarray(y)
+        name_ = jax.tree_util.keystr(path)
+        if "relay" in name_ or "req_to_token" in name_:
+            np.testing.assert_array_equal(x[1:], y[1:], err_msg=name_)  # entry 0 may differ
+        elif "cache" in name_:
+            np.testing.assert_array_equal(x[:, ps:], y[:, ps:], err_msg=name_)  # the dummy page may differ
+        else:
+            np.testing.assert_array_equal(x[ps:], y[ps:], err_msg=name_)
+    assert int(np.asarray(a.relay.seq_lens)[0]) == int(np.asarray(b.relay.seq_lens)[0]) == 0
