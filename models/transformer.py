@@ -15,6 +15,8 @@ import numpy as np
 
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
+# The XLA gather path is the CPU production path and the reference of the Pallas kernels.
+from jaxoverlap.pallas_kernels.reference import paged_attention_ref as xla_paged_attention
 
 # attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len)
 AttentionFn = Callable[..., jax.Array]
@@ -37,31 +39,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     x2 = x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
-
-
-def xla_paged_attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len):
-    """Reference attention over the paged cache with XLA gathers (the CPU path).
-
-    q: [R, Q, H, HD]; caches: [L, S, KVH, HD]; returns [R, Q, H, HD].
-    """
-    R, Q, H, HD = q.shape
-    KVH = k_cache.shape[2]
-    G = H // KVH
-    slots = req_to_token[entries, :ctx_len]  # [R, C]
-    k = k_cache[layer][slots]  # [R, C, KVH, HD]
-    v = v_cache[layer][slots]
-    qg = q.reshape(R, Q, KVH, G, HD)  # query head h uses kv head h // G
-    s = jnp.einsum("rqkgd,rckd->rkgqc", qg, k, preferred_element_type=jnp.float32) * scale
-    c = jnp.arange(ctx_len)
-    visible = (c[None, None, :] <= q_positions[:, :, None]) & (c[None, None, :] < kv_lens[:, None, None])  # [R, Q, C]
-    s = jnp.where(visible[:, None, None], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # rows with no visible key give zeros, not NaN
-    p = jnp.exp(s - m)
-    denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-    p = (p / denom).astype(v.dtype)
-    o = jnp.einsum("rkgqc,rckd->rqkgd", p, v, preferred_element_type=jnp.float32)  # [R, Q, KVH, G, HD]
-    return o.reshape(R, Q, H, HD).astype(q.dtype)
 
 
 def forward(

@@ -1,20 +1,10 @@
-"""Shared pytest fixtures.
-
-pytest runs with --import-mode=importlib, which does not put this folder on sys.path;
-add it so that test modules can `import hf_fixtures`.
-"""
+"""Shared pytest fixtures. (pyproject's `pythonpath = ["tests"]` makes the helper modules
+in this folder, such as hf_fixtures, importable.)"""
 from __future__ import annotations
-
-import os
-import sys
 
 import pytest
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-
-import hf_fixtures  # noqa: E402
+import hf_fixtures
 
 
 @pytest.fixture(scope="session")
