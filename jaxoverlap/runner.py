@@ -44,6 +44,20 @@ def batch_samples(batch: ScheduledBatch) -> bool:
     return any(row.req.params.temperature > 0 for row in batch.rows)
 
 
+def _sampling_arrays(batch: ScheduledBatch, num_rows: int):
+    """Per-row sampling params of a prefill batch, padded to num_rows: (temperature, top_k,
+    top_p, min_p, seed), which the prefill stores into each admitted request's relay entry."""
+    temperature = np.zeros((num_rows,), np.float32)
+    top_k = np.zeros((num_rows,), np.int32)
+    top_p = np.ones((num_rows,), np.float32)
+    min_p = np.zeros((num_rows,), np.float32)
+    seed = np.zeros((num_rows,), np.uint32)
+    for i, row in enumerate(batch.rows):
+        p = row.req.params
+        temperature[i], top_k[i], top_p[i], min_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.min_p, row.req.seed
+    return temperature, top_k, top_p, min_p, seed
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -155,22 +169,15 @@ class ModelRunner:
         is_last = np.zeros((R,), bool)
         given = np.zeros((R,), np.int32)
         has_given = np.zeros((R,), bool)
-        temperature = np.zeros((R,), np.float32)
-        top_k = np.zeros((R,), np.int32)
-        top_p = np.ones((R,), np.float32)
-        min_p = np.zeros((R,), np.float32)
-        seed = np.zeros((R,), np.uint32)
         for i, row in enumerate(batch.rows):
-            req, p = row.req, row.req.params
+            req = row.req
             tokens[i, 1 : 1 + row.length] = req.fill_ids[row.start : row.start + row.length]
             if row.start > 0:
                 tokens[i, 0] = req.fill_ids[row.start - 1]
             if row.is_last and req.resume_token is not None:
                 given[i], has_given[i] = req.resume_token, True
             starts[i], lens[i], entries[i], is_last[i] = row.start, row.length, req.entry, row.is_last
-            temperature[i], top_k[i], top_p[i], min_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.min_p, req.seed
-        inp = SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, temperature, top_k, top_p,
-                                min_p, seed)
+        inp = SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, *_sampling_arrays(batch, R))
         res = self._reservations(batch, next_power_of_two(len(batch.reservations), minimum=8))
         self.state, out = spec_prefill_step(
             self.params, self.drafter.params, self.state, inp, res,
@@ -186,17 +193,11 @@ class ModelRunner:
         starts = np.zeros((R,), np.int32)
         lens = np.zeros((R,), np.int32)
         entries = np.zeros((R,), np.int32)
-        temperature = np.zeros((R,), np.float32)
-        top_k = np.zeros((R,), np.int32)
-        top_p = np.ones((R,), np.float32)
-        min_p = np.zeros((R,), np.float32)
-        seed = np.zeros((R,), np.uint32)
         for i, row in enumerate(batch.rows):
-            req, p = row.req, row.req.params
+            req = row.req
             tokens[i, : row.length] = req.fill_ids[row.start : row.start + row.length]
             starts[i], lens[i], entries[i] = row.start, row.length, req.entry
-            temperature[i], top_k[i], top_p[i], min_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.min_p, req.seed
-        inp = steps.PrefillInputs(tokens, starts, lens, entries, temperature, top_k, top_p, min_p, seed)
+        inp = steps.PrefillInputs(tokens, starts, lens, entries, *_sampling_arrays(batch, R))
         res = self._reservations(batch, next_power_of_two(len(batch.reservations), minimum=8))
         self.state, out = steps.prefill_step(
             self.params, self.state, inp, res,
