@@ -40,7 +40,7 @@ def device_step_ms(engine, batch_size: int, iters: int) -> float:
 
     def call():
         r.state, out = steps.decode_step(r.params, r.state, entries, res, cfg=r.model_cfg, ctx_len=ctx,
-                                         page_size=r.page_size, attention=r.attention)
+                                         page_size=r.page_size, attention=r.attention, sampling=False)
         return out
 
     jax.block_until_ready(call().tokens)

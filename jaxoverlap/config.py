@@ -21,7 +21,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85  # of device memory left after weights (GPU only)
     disable_overlap: bool = False
     disable_prefix_cache: bool = False
-    attention_backend: str = "auto"  # "auto" | "xla" | "pallas"
+    attention_backend: str = "auto"  # "auto" (pallas on GPU, xla elsewhere) | "xla" | "pallas"
     batch_buckets: tuple[int, ...] | None = None  # padded decode batch sizes; default powers of 2
     weights_cache_dir: str | None = None  # orbax cache of converted weights for fast restarts
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache

@@ -157,7 +157,9 @@ class Engine:
     def _attention_fn(self):
         backend = self.config.attention_backend
         if backend == "auto":
-            backend = "xla"
+            # Measured on the H200 (benchmarks/RESULTS.md): the Pallas kernels read the cache
+            # at 3-4x the XLA gather path's speed. On CPU they would only run interpreted.
+            backend = "pallas" if jax.default_backend() == "gpu" else "xla"
         if backend == "xla":
             return None
         return _pallas_attention(interpret=jax.default_backend() != "gpu")
