@@ -26,6 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.85)
     g.add_argument("--disable-overlap", action="store_true", help="use the normal (non-overlap) loop")
     g.add_argument("--disable-prefix-cache", action="store_true")
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"])
     g.add_argument("--weights-cache-dir", default=None)
     g.add_argument("--compilation-cache-dir", default=None)

@@ -21,6 +21,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85  # of device memory left after weights (GPU only)
     disable_overlap: bool = False
     disable_prefix_cache: bool = False
+    tensor_parallel_size: int = 1  # devices of one mesh axis over which weights and KV heads are sharded
     attention_backend: str = "auto"  # "auto" (pallas on GPU, xla elsewhere) | "xla" | "pallas"
     batch_buckets: tuple[int, ...] | None = None  # padded decode batch sizes; default powers of 2
     weights_cache_dir: str | None = None  # orbax cache of converted weights for fast restarts
@@ -38,6 +39,8 @@ class EngineConfig:
     speculative_ngram_max_match_window_size: int = 4  # ngram: longest trailing n-gram to look up
 
     def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:

@@ -138,6 +138,17 @@ class Engine:
             stop_checker=self._check_stop_strings,
             eos_token_ids=self.eos_token_ids,
         )
+        self.mesh = None
+        if config.tensor_parallel_size > 1:
+            from jaxoverlap import parallel
+
+            if self._attention_fn() is not None:
+                raise ValueError("tensor_parallel_size > 1 runs the XLA attention path: pass attention_backend='xla'")
+            self.mesh = parallel.make_mesh(config.tensor_parallel_size)
+            params = parallel.shard_params(params, self.mesh)
+            state = parallel.shard_state(state, self.mesh)
+            if self.drafter is not None:
+                self.drafter.params = parallel.replicate(self.drafter.params, self.mesh)
         self.runner = ModelRunner(
             params, mc, state, page_size=ps, max_running=config.max_running_requests,
             max_prefill_requests=config.max_prefill_requests, chunked_prefill_size=config.chunked_prefill_size,
@@ -159,7 +170,9 @@ class Engine:
         if backend == "auto":
             # Measured on the H200 (benchmarks/RESULTS.md): the Pallas kernels read the cache
             # at 3-4x the XLA gather path's speed. On CPU they would only run interpreted.
-            backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+            # With tensor parallelism, XLA partitions the gather path; the kernels are per device.
+            on_gpu = jax.default_backend() == "gpu" and self.config.tensor_parallel_size == 1
+            backend = "pallas" if on_gpu else "xla"
         if backend == "xla":
             return None
         return _pallas_attention(interpret=jax.default_backend() != "gpu")
