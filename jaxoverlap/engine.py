@@ -35,7 +35,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.outputs import RequestOutput
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
-from jaxoverlap.request import Request, Status
+from jaxoverlap.request import Request
 from jaxoverlap.runner import LaunchedStep, ModelRunner
 from jaxoverlap.sampling_params import SamplingParams
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
 import numpy as np
 
 from jaxoverlap import steps

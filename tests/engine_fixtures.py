@@ -50,3 +50,12 @@ def run_workload(engine: Engine, arrivals: dict, max_steps: int = 20000) -> dict
         it += 1
         assert it < max_steps, "engine did not drain"
     return finals
+
+
+def assert_drained(engine: Engine) -> None:
+    """After a workload: nothing running or queued, every entry free, every page free or cached."""
+    engine.check_integrity()
+    s = engine.scheduler
+    assert not s.running and not s.waiting and s.prefilling is None
+    assert s.entries.num_free == engine.config.max_running_requests
+    assert s.pages.num_free + s.prefix.num_pages == s.pages.capacity

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_fixtures import VOCAB, make_engine, run_workload, tiny_config, tiny_params
+from engine_fixtures import VOCAB, assert_drained, make_engine, run_workload, tiny_config, tiny_params
 from jaxoverlap.models.transformer import dense_logits
 from jaxoverlap.sampling_params import SamplingParams
 from jaxoverlap.sync_guard import no_host_sync
@@ -23,14 +23,6 @@ def random_workload(seed: int, n: int = 12, greedy: bool = True):
         )
         arrivals.setdefault(int(rng.integers(0, 30)), []).append((f"r{i}", prompt, params))
     return arrivals
-
-
-def assert_drained(engine):
-    engine.check_integrity()
-    s = engine.scheduler
-    assert not s.running and not s.waiting and s.prefilling is None
-    assert s.entries.num_free == engine.config.max_running_requests
-    assert s.pages.num_free + s.prefix.num_pages == s.pages.capacity
 
 
 @pytest.mark.parametrize("kv_cache_tokens", [512, 96])

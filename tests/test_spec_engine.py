@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_fixtures import VOCAB, make_engine, run_workload, tiny_config, tiny_params
+from engine_fixtures import VOCAB, assert_drained, make_engine, run_workload, tiny_config, tiny_params
 from jaxoverlap.models import eagle as eagle_models
 from jaxoverlap.sampling_params import SamplingParams
 
@@ -64,14 +64,6 @@ def workload(seed: int, n: int = 9, greedy: bool = True):
         )
         arrivals.setdefault(int(rng.integers(0, 20)), []).append((f"r{i}", prompt, params))
     return arrivals
-
-
-def assert_drained(engine):
-    engine.check_integrity()
-    s = engine.scheduler
-    assert not s.running and not s.waiting and s.prefilling is None
-    assert s.entries.num_free == engine.config.max_running_requests
-    assert s.pages.num_free + s.prefix.num_pages == s.pages.capacity
 
 
 _plain_cache = {}

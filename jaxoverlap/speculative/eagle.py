@@ -61,7 +61,6 @@ def propose(hp: EagleParams, hcfg: ModelConfig, target: ModelParams, k_cache, v_
             entries, lens, sp: SamplingRows, num_draft: int, sampling: bool, ctx_len, attention):
     """The k drafts of each row. Returns (drafts [B, k], draft_probs: () -> q [B, k, V],
     k_cache, v_cache); draft_probs is called only in sampling programs."""
-    B = entries.shape[0]
     real = (entries != 0)[:, None]  # [B, 1]
     table = head_table(req_to_token, entries)
     d = relay.draft_token[entries]  # [B]
