@@ -11,6 +11,9 @@ random accept length in 1..W, which the step returns next to the [B, W] tokens.
 """
 import numpy as np
 
+from jaxoverlap.request import Request
+from jaxoverlap.sampling_params import SamplingParams
+
 
 class FakeDevice:
     def __init__(self, num_entries, table_width, page_size, vocab=50, seed=0, window=1, lookahead=0, rewrite=0):
@@ -57,3 +60,47 @@ class FakeDevice:
                 writes.append((row.req, p, self._slot(e, p)))
             self.seq_lens[e] = L + accept[i]
         return tokens, np.zeros(tokens.shape), writes, accept
+
+
+# -- the host-side loop around the fake device, shared by the scheduler tests --------------------
+
+def check_writes(sched, writes):
+    """Every slot a step writes is in a page its request owns and does not share."""
+    cached = set(sched.prefix.pages())
+    for r, pos, slot in writes:
+        if pos >= sched.cfg.table_width:
+            assert slot == 0
+            continue
+        page = slot // sched.cfg.page_size
+        assert page in r.pages, f"{r.request_id} wrote position {pos} into page {page}, outside its reserved row"
+        assert page not in cached, f"{r.request_id} wrote position {pos} into a shared cached page"
+
+
+def drive(sched, dev, arrivals, overlap=True, max_steps=5000):
+    """Run the overlap (or normal) loop over the fake device until it drains.
+
+    arrivals: {loop_iteration: [Request, ...]}. Returns the finished requests."""
+    inflight, done, step = None, [], 0
+    while step < max_steps and (sched.has_work() or inflight is not None or any(k >= step for k in arrivals)):
+        for r in arrivals.get(step, []):
+            sched.add(r)
+        batch = sched.schedule()
+        launched = None
+        if batch is not None:
+            out = dev.run(batch)
+            check_writes(sched, out[2])
+            accept = out[3] if len(out) == 4 else None
+            launched = (batch, out[0], out[1], accept)
+        prev, inflight = (inflight, launched) if overlap else (launched, None)
+        if prev is not None:
+            sched.process(*prev)
+        done.extend(sched.poll_finished())
+        sched.check_integrity()
+        step += 1
+    assert not sched.has_work(), "did not drain"
+    return done
+
+
+def make_request(i, n_prompt, n_new, prefix=(), **params):
+    prompt = list(prefix) + [(i * 7 + j) % 45 + 1 for j in range(n_prompt)]
+    return Request(f"r{i}", prompt, SamplingParams(max_new_tokens=n_new, temperature=0.0, **params), seed=i)

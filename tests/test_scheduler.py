@@ -1,11 +1,11 @@
 """The scheduler and its reservation arithmetic, driven by a numpy fake device (no JAX)."""
 from hypothesis import given, settings, strategies as st
 
-from fake_device import FakeDevice
+from fake_device import FakeDevice, drive
+from fake_device import make_request as req
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
-from jaxoverlap.request import Request, Status
-from jaxoverlap.sampling_params import SamplingParams
+from jaxoverlap.request import Status
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig
 
 
@@ -17,52 +17,10 @@ def make_scheduler(num_pages, page_size=4, max_running=4, chunk=16, max_context=
     return s, FakeDevice(max_running + 1, width, page_size)
 
 
-def check_writes(sched, batch, writes):
-    """Every slot a step writes is in a page its request owns and does not share."""
-    cached = set(sched.prefix.pages())
-    for req, pos, slot in writes:
-        page = slot // sched.cfg.page_size
-        if pos >= sched.cfg.table_width:
-            assert slot == 0
-            continue
-        assert page in req.pages, f"{req.request_id} wrote position {pos} into page {page}, not its own"
-        assert page not in cached, f"{req.request_id} wrote position {pos} into a shared cached page"
-
-
-def run(sched, dev, arrivals, overlap=True, max_steps=5000):
-    """arrivals: {step_index: [Request, ...]}. Returns finished requests."""
-    inflight, done, step = None, [], 0
-    while step < max_steps and (sched.has_work() or inflight is not None or any(k >= step for k in arrivals)):
-        for req in arrivals.get(step, []):
-            sched.add(req)
-        batch = sched.schedule()
-        launched = None
-        if batch is not None:
-            tokens, lps, writes = dev.run(batch)
-            check_writes(sched, batch, writes)
-            launched = (batch, tokens, lps)
-        if overlap:
-            inflight, prev = launched, inflight
-        else:
-            prev = launched
-        if prev is not None:
-            sched.process(*prev)
-        done.extend(sched.poll_finished())
-        sched.check_integrity()
-        step += 1
-    assert not sched.has_work(), "did not drain"
-    return done
-
-
-def req(i, n_prompt, n_new, prefix=()):
-    prompt = list(prefix) + [(i * 7 + j) % 45 + 1 for j in range(n_prompt)]
-    return Request(f"r{i}", prompt, SamplingParams(max_new_tokens=n_new, temperature=0.0), seed=i)
-
-
 def test_plain_workload_drains_and_frees_everything():
     sched, dev = make_scheduler(num_pages=64)
     reqs = [req(i, 5 + 3 * i, 10) for i in range(6)]
-    done = run(sched, dev, {0: reqs[:3], 4: reqs[3:]})
+    done = drive(sched, dev, {0: reqs[:3], 4: reqs[3:]})
     assert sorted(r.request_id for r in done) == sorted(r.request_id for r in reqs)
     assert all(len(r.output_ids) == 10 and r.finish_reason == "length" for r in done)
     assert sched.entries.num_free == 4
@@ -73,9 +31,9 @@ def test_prefix_cache_reuse_counts_cached_tokens():
     sched, dev = make_scheduler(num_pages=64)
     shared = list(range(1, 17))  # 4 full pages
     first = req(0, 3, 4, prefix=shared)
-    run(sched, dev, {0: [first]})
+    drive(sched, dev, {0: [first]})
     second = req(1, 3, 4, prefix=shared)
-    run(sched, dev, {0: [second]})
+    drive(sched, dev, {0: [second]})
     assert second.metrics.cached_prompt_tokens == 16
 
 
@@ -83,7 +41,7 @@ def test_memory_pressure_retracts_fewest_generated_first_and_resumes():
     # 12 pages of 4 tokens for 4 requests that each grow to ~40 tokens: retraction is forced.
     sched, dev = make_scheduler(num_pages=13, max_context=64, prefix=False)
     reqs = [req(i, 6, 30) for i in range(4)]
-    done = run(sched, dev, {0: reqs})
+    done = drive(sched, dev, {0: reqs})
     assert sched.num_retractions > 0
     assert all(len(r.output_ids) == 30 for r in done)
     assert any(r.metrics.num_retractions for r in reqs)
@@ -92,7 +50,7 @@ def test_memory_pressure_retracts_fewest_generated_first_and_resumes():
 def test_finish_found_one_step_late_drops_extra_tokens():
     sched, dev = make_scheduler(num_pages=64)
     r = req(0, 4, 3)
-    done = run(sched, dev, {0: [r]}, overlap=True)
+    done = drive(sched, dev, {0: [r]}, overlap=True)
     # The overlap loop launched a step beyond the finishing one; its token was dropped.
     assert done == [r] and len(r.output_ids) == 3
 
@@ -138,7 +96,7 @@ def test_property_reservations_cover_every_write(lens, num_pages, page_size, ove
             continue  # the engine rejects these at add_request
         reqs.append(r)
         arrivals.setdefault(at, []).append(r)
-    done = run(sched, dev, arrivals, overlap=overlap)
+    done = drive(sched, dev, arrivals, overlap=overlap)
     assert len(done) == len(reqs)
     for r in reqs:
         assert r.finish_reason == "length"

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fake_device import FakeDevice
+from fake_device import FakeDevice, drive
+from fake_device import make_request as req
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
@@ -25,45 +26,6 @@ def make(num_pages, page_size=4, window=4, lookahead=0, rewrite=0, max_running=4
                       PrefixCache(page_size, prefix), eos_token_ids=frozenset(stop_ids))
     dev = FakeDevice(max_running + 1, width, page_size, window=window, lookahead=lookahead, rewrite=rewrite)
     return sched, dev
-
-
-def check_writes(sched, writes):
-    """Every slot a step writes is in a page its request owns and does not share."""
-    cached = set(sched.prefix.pages())
-    for r, pos, slot in writes:
-        if pos >= sched.cfg.table_width:
-            assert slot == 0
-            continue
-        page = slot // sched.cfg.page_size
-        assert page in r.pages, f"{r.request_id} wrote position {pos} into page {page}, outside its reserved row"
-        assert page not in cached, f"{r.request_id} wrote position {pos} into a shared cached page"
-
-
-def drive(sched, dev, arrivals, overlap=True, max_steps=5000):
-    inflight, done, step = None, [], 0
-    while step < max_steps and (sched.has_work() or inflight is not None or any(k >= step for k in arrivals)):
-        for r in arrivals.get(step, []):
-            sched.add(r)
-        batch = sched.schedule()
-        launched = None
-        if batch is not None:
-            out = dev.run(batch)
-            check_writes(sched, out[2])
-            accept = out[3] if len(out) == 4 else None
-            launched = (batch, out[0], out[1], accept)
-        prev, inflight = (inflight, launched) if overlap else (launched, None)
-        if prev is not None:
-            sched.process(*prev)
-        done.extend(sched.poll_finished())
-        sched.check_integrity()
-        step += 1
-    assert not sched.has_work(), "did not drain"
-    return done
-
-
-def req(i, n_prompt, n_new, prefix=(), **params):
-    prompt = list(prefix) + [(i * 7 + j) % 45 + 1 for j in range(n_prompt)]
-    return Request(f"r{i}", prompt, SamplingParams(max_new_tokens=n_new, temperature=0.0, **params), seed=i)
 
 
 @settings(max_examples=60, deadline=None)
