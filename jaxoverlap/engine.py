@@ -66,12 +66,18 @@ def _resolve_dtype(name: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _pallas_attention(interpret: bool):
-    """One function object per mode: the steps take it as a static argument, so a new
-    object per engine would compile every step again."""
+def _pallas_attention(interpret: bool, mesh=None):
+    """One function object per (mode, mesh): the steps take it as a static argument, so a
+    new object per engine would compile every step again. With a mesh, the kernels run per
+    device on its own heads (parallel.shard_attention)."""
     from jaxoverlap.pallas_kernels.attention import paged_attention
 
-    return functools.partial(paged_attention, backend="pallas", interpret=interpret)
+    fn = functools.partial(paged_attention, backend="pallas", interpret=interpret)
+    if mesh is None:
+        return fn
+    from jaxoverlap import parallel
+
+    return parallel.shard_attention(fn, mesh)
 
 
 class Engine:
@@ -93,6 +99,7 @@ class Engine:
             params = loader.load_params(
                 model_path, self.model_config, self.dtype,
                 load_format=config.load_format, seed=config.seed, cache_dir=config.weights_cache_dir,
+                tensor_parallel_size=config.tensor_parallel_size,  # per-shard qkv / gate_up columns
             )
         if tokenizer is None and os.path.exists(os.path.join(model_path, "tokenizer.json")):
             from jaxoverlap.models.tokenizer import Tokenizer
@@ -142,10 +149,9 @@ class Engine:
         if config.tensor_parallel_size > 1:
             from jaxoverlap import parallel
 
-            if self._attention_fn() is not None:
-                raise ValueError("tensor_parallel_size > 1 runs the XLA attention path: pass attention_backend='xla'")
             self.mesh = parallel.make_mesh(config.tensor_parallel_size)
-            params = parallel.shard_params(params, self.mesh)
+            # Weights passed in by the caller may be in the one-device layout: converted here.
+            params = parallel.shard_params(params, self.mesh, mc)
             state = parallel.shard_state(state, self.mesh)
             if self.drafter is not None:
                 self.drafter.params = parallel.replicate(self.drafter.params, self.mesh)
@@ -170,12 +176,11 @@ class Engine:
         if backend == "auto":
             # Measured on the H200 (benchmarks/RESULTS.md): the Pallas kernels read the cache
             # at 3-4x the XLA gather path's speed. On CPU they would only run interpreted.
-            # With tensor parallelism, XLA partitions the gather path; the kernels are per device.
-            on_gpu = jax.default_backend() == "gpu" and self.config.tensor_parallel_size == 1
-            backend = "pallas" if on_gpu else "xla"
+            # With tensor parallelism they run per device under shard_map (self.mesh).
+            backend = "pallas" if jax.default_backend() == "gpu" else "xla"
         if backend == "xla":
             return None
-        return _pallas_attention(interpret=jax.default_backend() != "gpu")
+        return _pallas_attention(interpret=jax.default_backend() != "gpu", mesh=self.mesh)
 
     def _kv_tokens_from_memory(self, params, table_width: int) -> int:
         mc = self.model_config

@@ -6,25 +6,44 @@ relay and the table are small and replicated, so every device reads its own copy
 
 | array | sharding |
 |---|---|
-| wqkv, w_gate_up, lm_head (`[in, out]`) | output axis over "tp" (column parallel) |
+| wqkv, w_gate_up (`[in, out]`, per-shard column blocks) | output axis over "tp" (column parallel) |
+| lm_head `[D, V]` | output axis over "tp" (column parallel) |
 | wo, w_down | input axis over "tp" (row parallel; XLA all-reduces the output) |
 | k_cache, v_cache `[L, S, KVH, HD]` | KV heads over "tp" |
-| everything else | replicated |
+| everything else (drafter weights and caches too) | replicated (placed so; with the Pallas path XLA may hand a step's drafter cache back sharded on its heads) |
 
-An axis that does not divide by the mesh size stays replicated. One process drives every
-local device. For several hosts, start each process with `jax.distributed.initialize()`
-(JAX's own runtime) before building the engine; `jax.devices()` then lists every host's
-devices, and `make_mesh` takes the first `tensor_parallel_size` of them.
+wqkv (and bqkv) and w_gate_up store their fused output axis as one contiguous block per
+device, [q | k | v heads of that device] and [gate | up columns of that device]
+(models/params.py), so splitting q/k/v and gate/up is local: per layer, the only
+collectives are the all-reduces after wo and w_down. The loader writes that layout when
+given `tensor_parallel_size`; `shard_params` converts weights that arrive in another one.
+
+An axis that does not divide by the mesh size stays replicated. When H or KVH does not
+divide by it, wqkv keeps the plain [q | k | v] order (its axis is still sharded where it
+divides, at the price of the data movement above), and so does w_gate_up when F does not.
+
+Attention: the XLA gather path is partitioned by XLA like the rest. The Pallas kernels are
+custom calls that XLA cannot partition, so `shard_attention` runs them per device under
+`shard_map`, each on its own q heads and KV heads (heads whose counts do not divide by the
+mesh size run replicated: every device computes all of them).
+
+One process drives every local device. For several hosts, start each process with
+`jax.distributed.initialize()` (JAX's own runtime) before building the engine;
+`jax.devices()` then lists every host's devices, and `make_mesh` takes the first
+`tensor_parallel_size` of them.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxoverlap.models.params import LayerParams, ModelParams
+from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.params import ModelParams, relayout
 
 AXIS = "tp"
 
@@ -45,10 +64,14 @@ def _put(x, mesh: Mesh, axis: int | None):
     return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 
 
-def shard_params(params: ModelParams, mesh: Mesh) -> ModelParams:
+def shard_params(params: ModelParams, mesh: Mesh, cfg: ModelConfig | None = None) -> ModelParams:
+    """The target's weights on the mesh. With `cfg`, fused columns in another layout than
+    the mesh's (e.g. weights loaded for one device) are converted first."""
+    if cfg is not None:
+        params = relayout(params, cfg, mesh.size)
     layers = tuple(
-        LayerParams(wqkv=_put(l.wqkv, mesh, 1), wo=_put(l.wo, mesh, 0),
-                    w_gate_up=_put(l.w_gate_up, mesh, 1), w_down=_put(l.w_down, mesh, 0))
+        dataclasses.replace(l, wqkv=_put(l.wqkv, mesh, 1), wo=_put(l.wo, mesh, 0),
+                            w_gate_up=_put(l.w_gate_up, mesh, 1), w_down=_put(l.w_down, mesh, 0))
         for l in params.layers
     )
     return dataclasses.replace(
@@ -67,3 +90,49 @@ def shard_state(state, mesh: Mesh):
     """KV heads of the target's cache over "tp"; the relay, table and drafter state replicated."""
     state = replicate(state, mesh)
     return dataclasses.replace(state, k_cache=_put(state.k_cache, mesh, 2), v_cache=_put(state.v_cache, mesh, 2))
+
+
+# ----------------------------------------------------------------------------------------
+# Per-device attention kernels
+# ----------------------------------------------------------------------------------------
+
+
+def _shard_map(f, mesh: Mesh, in_specs, out_specs):
+    # jax.shard_map (JAX >= 0.6) takes check_vma; the older experimental one, check_rep.
+    # The check is off: pallas_call has no replication rule, and the replicated fallback's
+    # output is replicated by construction.
+    sm = getattr(jax, "shard_map", None)
+    if sm is None:
+        from jax.experimental.shard_map import shard_map as sm
+    names = inspect.signature(sm).parameters
+    check = {"check_vma": False} if "check_vma" in names else {"check_rep": False}
+    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **check)
+
+
+def shard_attention(attention, mesh: Mesh):
+    """`attention` (the signature of `reference.paged_attention_ref`) run on each device of
+    `mesh` over its own heads: q [R, Q, H, HD] and the caches [L, S, KVH, HD] split on their
+    head axes, the table, entries, positions and lengths replicated, the output [R, Q, H, HD]
+    split like q. Device s gets q heads s*H/N .. and KV heads s*KVH/N ..: q head h reads KV
+    head h // (H/KVH) as on one device, and those stay on the same device.
+
+    When KVH does not divide by N (then shard_state left the caches replicated), every
+    device runs all heads on the replicated inputs. H always divides when KVH does.
+
+    Call it once per (attention, mesh) and reuse the result: the steps take it as a static
+    argument, so a new function object compiles every step again."""
+    n = mesh.size
+
+    def sharded(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len):
+        split = q.shape[2] % n == 0 and k_cache.shape[2] % n == 0
+        heads = P(None, None, AXIS, None) if split else P()
+        rep = P()
+
+        def local(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens):
+            return attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens,
+                             scale=scale, ctx_len=ctx_len)
+
+        fn = _shard_map(local, mesh, in_specs=(heads, heads, heads, rep, rep, rep, rep, rep), out_specs=heads)
+        return fn(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), req_to_token, entries, q_positions, kv_lens)
+
+    return sharded

@@ -8,6 +8,12 @@ for 16 GB checkpoints, and the host never does the slow part (strided transposes
 Dummy path: every array is generated on the device with `jax.random` inside a jitted
 function (one per layer, compiled once for all layers), so an 8B-shaped model costs no
 host->device traffic at all.
+
+Tensor parallelism: with `tensor_parallel_size` N > 1, the fused wqkv / bqkv / w_gate_up
+columns are stored in N per-shard blocks (models/params.py), permuted inside the same
+jitted conversion (safetensors), generation (dummy: drawn in the plain order first, so
+every N gives the same model for one seed) or restore (orbax: the cache holds the layout
+it was written with and its key names it).
 """
 from __future__ import annotations
 
@@ -26,7 +32,14 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.params import LayerParams, ModelParams
+from jaxoverlap.models.params import (
+    LayerParams,
+    ModelParams,
+    gate_up_sizes,
+    layout_shards,
+    qkv_sizes,
+    to_shard_blocks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,12 +151,18 @@ class SafetensorsReader:
 # --------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("transpose", "dtype"))
-def _to_param(parts: tuple[jax.Array, ...], *, transpose: bool, dtype) -> jax.Array:
-    """Concatenate HF [out, in] matrices on the output axis, cast, and optionally transpose to [in, out]."""
+@functools.partial(jax.jit, static_argnames=("transpose", "dtype", "blocks", "shards"))
+def _to_param(parts: tuple[jax.Array, ...], *, transpose: bool, dtype, blocks: tuple[int, ...] = (),
+              shards: int = 1) -> jax.Array:
+    """Concatenate HF [out, in] matrices on the output axis, cast, and optionally transpose to [in, out].
+
+    blocks, shards: the fused output axis (last after the transpose) is made of parts of
+    widths `blocks`; lay them out in `shards` per-shard blocks (models/params.py). XLA
+    fuses that permutation into the transpose's copy."""
     x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [sum(out), in]
     x = x.astype(dtype)
-    return x.T if transpose else x
+    x = x.T if transpose else x  # [in, sum(out)]
+    return to_shard_blocks(x, blocks, shards) if blocks else x
 
 
 def _expected_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -211,15 +230,16 @@ def _check_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, 
         logger.warning("ignoring %d unexpected tensors in %s, e.g. %s", len(extra), where, extra[:4])
 
 
-def _load_safetensors(model_path: str, cfg: ModelConfig, dtype) -> ModelParams:
+def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1) -> ModelParams:
     reader = SafetensorsReader(safetensors_files(model_path))
     prefix = _name_prefix(reader)
     _check_checkpoint(reader, cfg, prefix, model_path)
+    qkv_shards, gate_up_shards = layout_shards(cfg, tp)
 
-    def matrix(*names: str, transpose: bool = True) -> jax.Array:
+    def matrix(*names: str, transpose: bool = True, blocks=(), shards: int = 1) -> jax.Array:
         # One device_put per tensor; the host copy is dropped as soon as it is on the device.
         parts = tuple(jax.device_put(reader.get(n)) for n in names)
-        return _to_param(parts, transpose=transpose, dtype=dtype)
+        return _to_param(parts, transpose=transpose, dtype=dtype, blocks=blocks, shards=shards)
 
     def stacked(fmt: str) -> jax.Array:
         # Small per-layer vectors: stack on the host (a few KB each), one transfer.
@@ -234,15 +254,19 @@ def _load_safetensors(model_path: str, cfg: ModelConfig, dtype) -> ModelParams:
     for i in range(cfg.num_layers):
         p = f"{prefix}layers.{i}."
         layers.append(LayerParams(
-            wqkv=matrix(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),  # [D, (H + 2KVH) * HD]
+            wqkv=matrix(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"),  # [D, (H + 2KVH) * HD]
+                        blocks=qkv_sizes(cfg), shards=qkv_shards),
             wo=matrix(p + "self_attn.o_proj.weight"),  # [H * HD, D]
-            w_gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),  # [D, 2F]
+            w_gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",  # [D, 2F]
+                             blocks=gate_up_sizes(cfg), shards=gate_up_shards),
             w_down=matrix(p + "mlp.down_proj.weight"),  # [F, D]
+            qkv_shards=qkv_shards, gate_up_shards=gate_up_shards,
         ))
     bqkv = None
     if cfg.qkv_bias:
         rows = np.stack([qkv_bias(i) for i in range(cfg.num_layers)])  # [L, (H + 2KVH) * HD]
-        bqkv = _to_param((jax.device_put(rows),), transpose=False, dtype=dtype)
+        bqkv = _to_param((jax.device_put(rows),), transpose=False, dtype=dtype, blocks=qkv_sizes(cfg),
+                         shards=qkv_shards)
     return ModelParams(
         embed=matrix(prefix + "embed_tokens.weight", transpose=False),  # [V, D]
         final_norm=matrix(prefix + "norm.weight", transpose=False),  # [D]
@@ -277,17 +301,20 @@ def _normal(key, shape, std: float, dtype) -> jax.Array:
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def _dummy_layer(key, cfg: ModelConfig, dtype) -> LayerParams:
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "tp"))
+def _dummy_layer(key, cfg: ModelConfig, dtype, tp: int = 1) -> LayerParams:
     D, F = cfg.hidden_size, cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
     gain = _TIED_RESIDUAL_GAIN if cfg.tie_word_embeddings else 1.0
+    qkv_shards, gate_up_shards = layout_shards(cfg, tp)
     k1, k2, k3, k4 = jax.random.split(key, 4)
+    # Drawn in the plain order and then permuted, so that a seed is one model at every tp.
     return LayerParams(
-        wqkv=_normal(k1, (D, qkv), D ** -0.5, dtype),
+        wqkv=to_shard_blocks(_normal(k1, (D, qkv), D ** -0.5, dtype), qkv_sizes(cfg), qkv_shards),
         wo=_normal(k2, (cfg.q_size, D), gain * cfg.q_size ** -0.5, dtype),
-        w_gate_up=_normal(k3, (D, 2 * F), D ** -0.5, dtype),
+        w_gate_up=to_shard_blocks(_normal(k3, (D, 2 * F), D ** -0.5, dtype), gate_up_sizes(cfg), gate_up_shards),
         w_down=_normal(k4, (F, D), gain * F ** -0.5, dtype),
+        qkv_shards=qkv_shards, gate_up_shards=gate_up_shards,
     )
 
 
@@ -301,12 +328,13 @@ def _ones(*, shape, dtype) -> jax.Array:
     return jnp.ones(shape, dtype)
 
 
-def dummy_params(cfg: ModelConfig, dtype, seed: int = 0) -> ModelParams:
-    """Random weights from the config alone, generated on the device; the same for the same seed."""
+def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, tp: int = 1) -> ModelParams:
+    """Random weights from the config alone, generated on the device; the same model for the
+    same seed, in the fused-column layout of tensor-parallel size `tp`."""
     dtype = jnp.dtype(dtype)
     L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     k_embed, k_head, k_layers = jax.random.split(jax.random.key(seed), 3)
-    layers = tuple(_dummy_layer(jax.random.fold_in(k_layers, i), cfg, dtype) for i in range(L))
+    layers = tuple(_dummy_layer(jax.random.fold_in(k_layers, i), cfg, dtype, tp) for i in range(L))
     return ModelParams(
         embed=_dummy_matrix(k_embed, shape=(V, D), std=1.0, dtype=dtype),
         final_norm=_ones(shape=(D,), dtype=dtype),
@@ -316,14 +344,16 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0) -> ModelParams:
         lm_head=None if cfg.tie_word_embeddings else _dummy_matrix(k_head, shape=(D, V), std=1.0, dtype=dtype),
         q_norm=_ones(shape=(L, cfg.head_dim), dtype=dtype) if cfg.qk_norm else None,
         k_norm=_ones(shape=(L, cfg.head_dim), dtype=dtype) if cfg.qk_norm else None,
-        # Zero biases: the bias path still runs, without shifting the peaked logits.
+        # Zero biases: the bias path still runs, without shifting the peaked logits (and
+        # zeros need no per-shard permutation).
         bqkv=jnp.zeros((L, cfg.q_size + 2 * cfg.kv_size), dtype) if cfg.qkv_bias else None,
     )
 
 
-def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:
-    """The ModelParams pytree of `cfg` with `jax.ShapeDtypeStruct` leaves (no memory is allocated)."""
-    return jax.eval_shape(lambda: dummy_params(cfg, dtype))
+def abstract_params(cfg: ModelConfig, dtype, tp: int = 1) -> ModelParams:
+    """The ModelParams pytree of `cfg` (layout of tensor-parallel size `tp`) with
+    `jax.ShapeDtypeStruct` leaves (no memory is allocated)."""
+    return jax.eval_shape(lambda: dummy_params(cfg, dtype, tp=tp))
 
 
 # --------------------------------------------------------------------------------------
@@ -331,31 +361,37 @@ def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:
 # --------------------------------------------------------------------------------------
 
 
-def cache_key(model_path: str, dtype, files: Iterable[str] | None = None) -> str:
-    """Hash of what determines the converted params: path, dtype, config.json, and each
-    weight file's name, size and mtime (so re-downloaded weights miss the cache)."""
+def cache_key(model_path: str, dtype, files: Iterable[str] | None = None,
+              shards: tuple[int, int] = (1, 1)) -> str:
+    """Hash of what determines the converted params: path, dtype, config.json, each weight
+    file's name, size and mtime (so re-downloaded weights miss the cache), and the fused
+    columns' per-shard layout `shards` = params.layout_shards(cfg, tp)."""
     h = hashlib.sha256()
     h.update(f"v{_CACHE_VERSION}\0{os.path.abspath(model_path)}\0{jnp.dtype(dtype).name}\0".encode())
     with open(os.path.join(model_path, "config.json"), "rb") as f:
         h.update(hashlib.sha256(f.read()).digest())
+    if tuple(shards) != (1, 1):  # the plain layout keeps the keys that caches written before TP have
+        h.update(f"shards{tuple(shards)}\0".encode())
     for path in sorted(files if files is not None else safetensors_files(model_path)):
         st = os.stat(path)
         h.update(f"{os.path.basename(path)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return h.hexdigest()[:32]
 
 
-def cache_path(cache_dir: str, model_path: str, dtype, files: Iterable[str] | None = None) -> str:
+def cache_path(cache_dir: str, model_path: str, dtype, files: Iterable[str] | None = None,
+               shards: tuple[int, int] = (1, 1)) -> str:
     name = os.path.basename(os.path.normpath(model_path)) or "model"
-    return os.path.join(os.path.abspath(cache_dir), f"{name}-{jnp.dtype(dtype).name}-{cache_key(model_path, dtype, files)}")
+    key = cache_key(model_path, dtype, files, shards)
+    return os.path.join(os.path.abspath(cache_dir), f"{name}-{jnp.dtype(dtype).name}-{key}")
 
 
-def _restore_cached(path: str, cfg: ModelConfig, dtype) -> ModelParams:
+def _restore_cached(path: str, cfg: ModelConfig, dtype, tp: int = 1) -> ModelParams:
     import orbax.checkpoint as ocp  # imported lazily: it is slow to import and optional here
 
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                          abstract_params(cfg, dtype))
+                          abstract_params(cfg, dtype, tp))
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(path, target)
 
@@ -383,6 +419,7 @@ def load_params(
     load_format: str = "auto",
     seed: int = 0,
     cache_dir: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> ModelParams:
     """Weights of `cfg` as a `ModelParams` on the default device, every array of `dtype`.
 
@@ -391,22 +428,26 @@ def load_params(
     cache_dir: when set, converted safetensors weights are saved there with orbax and later
     loads of the same checkpoint (same path, dtype, config.json and file sizes/mtimes)
     restore them instead of converting again.
+    tensor_parallel_size: lay the fused wqkv / bqkv / w_gate_up columns out in per-shard
+    blocks for this many devices (models/params.py); 1 is the plain HF order. The weights
+    still land on one device: parallel.shard_params distributes them.
     """
     dtype = jnp.dtype(dtype)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    tp = tensor_parallel_size
     if load_format == "dummy":
-        return dummy_params(cfg, dtype, seed)
+        return dummy_params(cfg, dtype, seed, tp)
     files = safetensors_files(model_path)
-    cached = cache_path(cache_dir, model_path, dtype, files) if cache_dir else None
+    cached = cache_path(cache_dir, model_path, dtype, files, layout_shards(cfg, tp)) if cache_dir else None
     if cached and os.path.isdir(cached):
         try:
-            params = _restore_cached(cached, cfg, dtype)
+            params = _restore_cached(cached, cfg, dtype, tp)
             logger.info("restored converted weights from %s", cached)
             return params
         except Exception as e:  # a corrupt or incompatible cache must not block serving
             logger.warning("ignoring unreadable weights cache %s: %s", cached, e)
-    params = _load_safetensors(model_path, cfg, dtype)
+    params = _load_safetensors(model_path, cfg, dtype, tp)
     if cached and not os.path.isdir(cached):
         try:
             os.makedirs(os.path.dirname(cached), exist_ok=True)

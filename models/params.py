@@ -5,21 +5,43 @@ layer are separate arrays walked by an unrolled Python loop (no `lax.scan`, whic
 materializes per-layer slices: 2.9x the bandwidth floor), while the small per-layer
 vectors (norm weights, biases) are stacked `[L, ...]` so the step has few pytree leaves
 (dispatch cost grows with the leaf count). Matrices are stored `x @ W` style: `[in, out]`.
+
+Fused column blocks under tensor parallelism. `wqkv` (and `bqkv`) fuse q, k and v on the
+output axis, `w_gate_up` fuses gate and up. Sharding such an axis over N devices in the
+plain order [q | k | v] would cut across the q/k/v boundaries, and XLA would then move
+activations between devices to split q, k and v. So the output axis is stored as N
+contiguous per-shard blocks, `[in, N, per_shard]` flattened:
+
+    wqkv      [D, N * (H/N + 2 KVH/N) * HD]   block s = [q heads of s | k heads of s | v heads of s]
+    w_gate_up [D, N * 2F/N]                    block s = [gate cols of s | up cols of s]
+
+with shard s holding q heads s*H/N .. (s+1)*H/N - 1, kv heads s*KVH/N .., and MLP columns
+s*F/N .. (s+1)*F/N - 1 (the rows of wo / w_down that the same device holds), so GQA groups
+stay on one device. N = 1 is the plain HF order. `LayerParams.qkv_shards` and
+`gate_up_shards` record N (static pytree metadata); a shape that does not divide by the
+tensor-parallel size keeps N = 1 (see `layout_shards`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
+
+from jaxoverlap.models.config import ModelConfig
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    wqkv: jax.Array  # [D, (H + 2 * KVH) * HD]: q, k, v projections concatenated on the output axis
+    wqkv: jax.Array  # [D, (H + 2 * KVH) * HD]: per-shard [q | k | v] blocks (module docstring)
     wo: jax.Array  # [H * HD, D]
-    w_gate_up: jax.Array  # [D, 2 * F]: gate then up
+    w_gate_up: jax.Array  # [D, 2 * F]: per-shard [gate | up] blocks
     w_down: jax.Array  # [F, D]
+    # Static, so the forward knows how to split the fused outputs at trace time.
+    qkv_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
+    gate_up_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -33,4 +55,90 @@ class ModelParams:
     lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
     q_norm: jax.Array | None = None  # [L, HD] (Qwen3 qk-norm)
     k_norm: jax.Array | None = None  # [L, HD]
-    bqkv: jax.Array | None = None  # [L, (H + 2 * KVH) * HD] (Qwen2 qkv bias)
+    bqkv: jax.Array | None = None  # [L, (H + 2 * KVH) * HD] (Qwen2 qkv bias), in the layers' qkv_shards layout
+
+
+# ----------------------------------------------------------------------------------------
+# Per-shard layout of fused column blocks
+# ----------------------------------------------------------------------------------------
+
+
+def layout_shards(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """(qkv_shards, gate_up_shards) for tensor-parallel size `tp`: `tp` where the heads
+    (both H and KVH, so that no GQA group straddles two devices) or F divide by it, else 1:
+    the plain layout, whose axis parallel.py then shards or replicates as before."""
+    qkv = tp if cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0 else 1
+    gate_up = tp if cfg.intermediate_size % tp == 0 else 1
+    return qkv, gate_up
+
+
+def qkv_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
+    """Widths of the q, k and v parts of the fused qkv axis."""
+    return cfg.q_size, cfg.kv_size, cfg.kv_size
+
+
+def gate_up_sizes(cfg: ModelConfig) -> tuple[int, int]:
+    return cfg.intermediate_size, cfg.intermediate_size
+
+
+def to_shard_blocks(x: jax.Array, sizes: tuple[int, ...], shards: int) -> jax.Array:
+    """Plain order [b_0 | b_1 | ...] (widths `sizes`) on the last axis -> `shards` blocks of
+    [b_0/N | b_1/N | ...]. The identity for shards == 1."""
+    if shards == 1:
+        return x
+    lead = x.shape[:-1]
+    parts, start = [], 0
+    for size in sizes:
+        # [..., size] -> [..., N, size/N]: column slice s of this part goes to shard s.
+        parts.append(x[..., start:start + size].reshape(*lead, shards, size // shards))
+        start += size
+    blocks = jnp.concatenate(parts, axis=-1)  # [..., N, sum(sizes)/N]
+    return blocks.reshape(*lead, start)  # [..., N, sum/N] -> [..., sum]
+
+
+def from_shard_blocks(x: jax.Array, sizes: tuple[int, ...], shards: int) -> jax.Array:
+    """The inverse of `to_shard_blocks`."""
+    if shards == 1:
+        return x
+    lead, total = x.shape[:-1], x.shape[-1]
+    blocks = x.reshape(*lead, shards, total // shards)  # [..., sum] -> [..., N, sum/N]
+    parts, start = [], 0
+    for size in sizes:
+        part = blocks[..., start:start + size // shards]  # [..., N, size/N]
+        parts.append(part.reshape(*lead, size))  # [..., N, size/N] -> [..., size]
+        start += size // shards
+    return jnp.concatenate(parts, axis=-1)  # [..., sum]
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "have", "want"))
+def _relayout_one(x: jax.Array, sizes: tuple[int, ...], have: int, want: int) -> jax.Array:
+    # Through the plain order: one device-side copy of the matrix.
+    return to_shard_blocks(from_shard_blocks(x, sizes, have), sizes, want)
+
+
+def relayout(params, cfg: ModelConfig, tp: int):
+    """`params` (ModelParams, or EagleParams with its one `.layer`) with the fused blocks in
+    the layout of tensor-parallel size `tp` for `cfg`'s shapes, converted on the device from
+    whatever layout they have. Returns `params` itself when the layout already matches
+    (weights loaded with the engine's `tensor_parallel_size` do)."""
+    want_qkv, want_gu = layout_shards(cfg, tp)
+    single = not hasattr(params, "layers")
+    layers = (params.layer,) if single else params.layers
+    if all(l.qkv_shards == want_qkv and l.gate_up_shards == want_gu for l in layers):
+        return params
+
+    def convert(x, sizes, have, want):
+        return x if have == want else _relayout_one(x, sizes, have, want)
+
+    new_layers = tuple(
+        dataclasses.replace(
+            l, wqkv=convert(l.wqkv, qkv_sizes(cfg), l.qkv_shards, want_qkv),
+            w_gate_up=convert(l.w_gate_up, gate_up_sizes(cfg), l.gate_up_shards, want_gu),
+            qkv_shards=want_qkv, gate_up_shards=want_gu)
+        for l in layers
+    )
+    # The bias follows its layers' qkv layout (all layers share one).
+    bqkv = None if params.bqkv is None else convert(params.bqkv, qkv_sizes(cfg), layers[0].qkv_shards, want_qkv)
+    if single:
+        return dataclasses.replace(params, layer=new_layers[0], bqkv=bqkv)
+    return dataclasses.replace(params, layers=new_layers, bqkv=bqkv)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.params import ModelParams
+from jaxoverlap.models.params import LayerParams, ModelParams
 # The XLA gather path is the CPU production path and the reference of the Pallas kernels.
 from jaxoverlap.pallas_kernels.reference import paged_attention_ref as xla_paged_attention
 
@@ -39,6 +39,35 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     x2 = x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def split_qkv(qkv: jax.Array, H: int, KVH: int, HD: int, shards: int):
+    """Fused [R, Q, (H + 2KVH) * HD] projections in the per-shard layout of models/params.py
+    -> q [R, Q, H, HD], k, v [R, Q, KVH, HD].
+
+    The split happens inside each shard's block, so when the fused axis is sharded over
+    `shards` devices every device splits its own block: no data crosses devices, and q, k, v
+    come out sharded on their head axes (shard s holds q heads s*H/N.., kv heads s*KVH/N..).
+    """
+    R, Q = qkv.shape[:2]
+    hs, kvs = H // shards, KVH // shards  # heads per shard
+    blocks = qkv.reshape(R, Q, shards, (hs + 2 * kvs) * HD)  # [R, Q, N*per] -> [R, Q, N, per]
+    # [R, Q, N, hs*HD] -> [R, Q, H, HD]: shard-major, so head s*hs + j is shard s's j-th head.
+    q = blocks[..., : hs * HD].reshape(R, Q, H, HD)
+    k = blocks[..., hs * HD : (hs + kvs) * HD].reshape(R, Q, KVH, HD)  # [R, Q, N, kvs*HD] -> [R, Q, KVH, HD]
+    v = blocks[..., (hs + kvs) * HD :].reshape(R, Q, KVH, HD)  # [R, Q, N, kvs*HD] -> [R, Q, KVH, HD]
+    return q, k, v
+
+
+def gated_mlp(h: jax.Array, lw: LayerParams) -> jax.Array:
+    """SwiGLU MLP over [R, Q, D] with `w_gate_up` in its per-shard [gate | up] layout."""
+    R, Q = h.shape[:2]
+    N = lw.gate_up_shards
+    F = lw.w_down.shape[0]
+    gate_up = jnp.dot(h, lw.w_gate_up).reshape(R, Q, N, 2 * F // N)  # [R, Q, 2F] -> [R, Q, N, 2F/N]
+    gate = gate_up[..., : F // N].reshape(R, Q, F)  # [R, Q, N, F/N] -> [R, Q, F], column s*F/N + j
+    up = gate_up[..., F // N :].reshape(R, Q, F)
+    return jnp.dot(jax.nn.silu(gate) * up, lw.w_down)  # [R, Q, D]
 
 
 def forward(
@@ -79,9 +108,7 @@ def forward(
         qkv = jnp.dot(h, lw.wqkv)  # [R, Q, (H + 2KVH) * HD]
         if params.bqkv is not None:
             qkv = qkv + params.bqkv[i]
-        q = qkv[..., : H * HD].reshape(R, Q, H, HD)
-        k = qkv[..., H * HD : (H + KVH) * HD].reshape(R, Q, KVH, HD)
-        v = qkv[..., (H + KVH) * HD :].reshape(R, Q, KVH, HD)
+        q, k, v = split_qkv(qkv, H, KVH, HD, lw.qkv_shards)  # [R, Q, H | KVH, HD]
         if params.q_norm is not None:
             q = rms_norm(q, params.q_norm[i], cfg.rms_norm_eps)
             k = rms_norm(k, params.k_norm[i], cfg.rms_norm_eps)
@@ -93,9 +120,7 @@ def forward(
         o = attention(q, k_cache, v_cache, i, req_to_token, entries, positions, kv_lens, scale=scale, ctx_len=ctx_len)
         x = x + jnp.dot(o.reshape(R, Q, H * HD), lw.wo)  # [R, Q, D]
         h = rms_norm(x, params.mlp_norm[i], cfg.rms_norm_eps)
-        gate_up = jnp.dot(h, lw.w_gate_up)  # [R, Q, 2F]
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        x = x + jnp.dot(jax.nn.silu(gate) * up, lw.w_down)
+        x = x + gated_mlp(h, lw)  # [R, Q, D]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     return x, k_cache, v_cache
 

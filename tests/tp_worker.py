@@ -1,15 +1,62 @@
 """Run in a subprocess with 4 fake CPU devices (see test_tensor_parallel.py): greedy outputs
-of the same workload at TP=1, 2 and 4, plain and with one drafter, printed as JSON."""
+of the same workload at TP=1, 2 and 4, plain and with one drafter, with the XLA attention
+path and (TP=2) the Pallas kernels in interpret mode under shard_map, plus the collectives
+of a compiled TP=2 forward; printed as JSON."""
+import collections
+import functools
 import json
 import os
+import re
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from engine_fixtures import make_engine, run_workload, tiny_config  # noqa: E402
+from jaxoverlap import parallel  # noqa: E402
+from jaxoverlap.models.params import relayout  # noqa: E402
+from jaxoverlap.models.transformer import forward  # noqa: E402
 from jaxoverlap.sampling_params import SamplingParams  # noqa: E402
+
+# Every cross-device op XLA can insert; "-start" is the async form some backends emit.
+COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+
+
+def forward_collectives(eng, params) -> dict:
+    """{collective: count} in the compiled HLO of one decode-shaped forward (all layers,
+    no LM head) over `params` and the engine's sharded caches."""
+    st, B = eng.runner.state, 4
+    entries = jnp.arange(B, dtype=jnp.int32)
+    pos = jnp.zeros((B, 1), jnp.int32)
+
+    def fwd(p, k_cache, v_cache, req_to_token):
+        return forward(p, eng.model_config, k_cache, v_cache, req_to_token, tokens=pos + 1, positions=pos,
+                       entries=entries, q_valid=pos == 0, kv_lens=pos[:, 0] + 1, ctx_len=64,
+                       attention=eng.runner.attention)
+
+    hlo = jax.jit(fwd).lower(params, st.k_cache, st.v_cache, st.req_to_token).compile().as_text()
+    return dict(collections.Counter(m.group(1) for m in COLLECTIVE.finditer(hlo)))
+
+
+def fallback_attention_error() -> float:
+    """KVH = 2 over 4 devices does not split: shard_attention runs every head on every
+    device. Max |error| against the reference, decode (Q=1) and prefill-kernel (Q=40)."""
+    from jaxoverlap.pallas_kernels.attention import paged_attention
+    from jaxoverlap.pallas_kernels.reference import paged_attention_ref
+    from jaxoverlap.pallas_kernels.testing import make_paged_batch
+
+    fn = parallel.shard_attention(functools.partial(paged_attention, backend="pallas", interpret=True),
+                                  parallel.make_mesh(4))
+    err = 0.0
+    for num_q in (1, 40):
+        b = make_paged_batch(kv_lens=[45, 9], num_q=num_q, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+        got = jax.jit(lambda *a: fn(*a, scale=0.25, ctx_len=b.ctx_len))(*b.args())
+        want = paged_attention_ref(*b.args(), scale=0.25, ctx_len=b.ctx_len)
+        err = max(err, float(jnp.max(jnp.abs(got - want))))
+    return err
 
 
 def main():
@@ -18,23 +65,49 @@ def main():
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     arrivals = {0: [(f"r{i}", [(7 * i + j) % 90 + 1 for j in range(5 + 3 * i)], params) for i in range(4)],
                 3: [("late", [3, 1, 4, 1, 5, 9, 2, 6], params)]}
-    out = {}
-    for algo in (None, "ngram_device"):
-        for tp in (1, 2, 4):
-            opts = dict(tensor_parallel_size=tp, kv_cache_tokens=160)  # small: forces retraction
-            if algo:
-                opts["speculative_algorithm"] = algo
-            eng = make_engine(cfg, **opts)
-            finals = run_workload(eng, arrivals)
-            eng.check_integrity()
-            sharding = eng.runner.state.k_cache.sharding
-            out[f"{algo}-{tp}"] = {
-                "tokens": {k: v.token_ids for k, v in sorted(finals.items())},
-                "kv_devices": len(sharding.device_set),
-                "wqkv_spec": str(getattr(eng.runner.params.layers[0].wqkv.sharding, "spec", "")),
-                "retractions": eng.stats()["num_retractions"],
-            }
-    json.dump(out, sys.stdout)
+    # Small KV cache: forces retraction.
+    xla = dict(attention_backend="xla", kv_cache_tokens=160)
+    # Pallas under TP: the kernels run per device under shard_map (interpreted on CPU); with
+    # EAGLE the head's replicated cache goes through the same sharded kernel. Interpreted
+    # kernels compile slowly, so these runs keep to one prefill and one decode program:
+    # every request at once, one batch bucket, one context bucket, no retraction. Greedy
+    # tokens do not depend on the schedule, so they must still equal TP=1's.
+    pallas = dict(attention_backend="pallas", batch_buckets=(8,), max_context_len=64, chunked_prefill_size=16)
+    at_once = {0: [r for rs in arrivals.values() for r in rs]}
+    runs = [("xla", algo, tp, xla, arrivals) for algo in (None, "ngram_device") for tp in (1, 2, 4)]
+    runs += [("pallas", algo, 2, pallas, at_once) for algo in (None, "eagle")]
+    out, seconds = {}, {}
+    for backend, algo, tp, options, workload in runs:
+        t0 = time.perf_counter()
+        opts = dict(tensor_parallel_size=tp, **options)
+        if algo:
+            opts["speculative_algorithm"] = algo
+        eng = make_engine(cfg, **opts)
+        finals = run_workload(eng, workload)
+        eng.check_integrity()
+        sharding = eng.runner.state.k_cache.sharding
+        name = f"{algo}-{tp}" if backend == "xla" else f"{backend}-{algo}-{tp}"
+        out[name] = {
+            "tokens": {k: v.token_ids for k, v in sorted(finals.items())},
+            "kv_devices": len(sharding.device_set),
+            "wqkv_spec": str(getattr(eng.runner.params.layers[0].wqkv.sharding, "spec", "")),
+            "qkv_shards": eng.runner.params.layers[0].qkv_shards,
+            "retractions": eng.stats()["num_retractions"],
+            # parallel.shard_attention's wrapper, or the XLA path's function.
+            "attention": getattr(eng.runner.attention, "__name__", ""),
+        }
+        if tp == 2 and algo is None:
+            # The per-shard layout against the plain one on the same mesh: the latter makes
+            # XLA move q/k/v (gate/up) slices between devices, the former must not.
+            plain = parallel.shard_params(relayout(eng.runner.params, cfg, 1), eng.mesh)
+            out[f"hlo-{backend}"] = {"per_shard": forward_collectives(eng, eng.runner.params),
+                                     "plain": forward_collectives(eng, plain), "num_layers": cfg.num_layers}
+        seconds[name] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    out["fallback_attention_error"] = fallback_attention_error()
+    seconds["fallback"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(seconds), file=sys.stderr)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

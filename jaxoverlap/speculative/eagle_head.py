@@ -17,7 +17,7 @@ import numpy as np
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.eagle import EagleParams
 from jaxoverlap.models.params import ModelParams
-from jaxoverlap.models.transformer import apply_rope, lm_logits, rms_norm
+from jaxoverlap.models.transformer import apply_rope, gated_mlp, lm_logits, rms_norm, split_qkv
 
 
 def head_table(req_to_token: jax.Array, entries: jax.Array) -> jax.Array:
@@ -62,9 +62,7 @@ def head_forward(
     qkv = jnp.dot(x, hp.layer.wqkv)  # [B, Q, (H + 2KVH) * HD]
     if hp.bqkv is not None:
         qkv = qkv + hp.bqkv
-    q = qkv[..., : H * HD].reshape(B, Q, H, HD)  # [B, Q, H*HD] -> [B, Q, H, HD]
-    k = qkv[..., H * HD : (H + KVH) * HD].reshape(B, Q, KVH, HD)  # [B, Q, KVH*HD] -> [B, Q, KVH, HD]
-    v = qkv[..., (H + KVH) * HD :].reshape(B, Q, KVH, HD)
+    q, k, v = split_qkv(qkv, H, KVH, HD, hp.layer.qkv_shards)  # [B, Q, H | KVH, HD]
     if hp.q_norm is not None:
         q = rms_norm(q, hp.q_norm, hcfg.rms_norm_eps)
         k = rms_norm(k, hp.k_norm, hcfg.rms_norm_eps)
@@ -79,8 +77,7 @@ def head_forward(
     o = attention(q, k_cache, v_cache, 0, table, rows, cols, kv_lens, scale=1.0 / float(np.sqrt(HD)), ctx_len=ctx_len)
     x = x + jnp.dot(o.reshape(B, Q, H * HD), hp.layer.wo)  # [B, Q, D]
     h = rms_norm(x, hp.mlp_norm, hcfg.rms_norm_eps)
-    gate, up = jnp.split(jnp.dot(h, hp.layer.w_gate_up), 2, axis=-1)  # [B, Q, F] each
-    x = x + jnp.dot(jax.nn.silu(gate) * up, hp.layer.w_down)
+    x = x + gated_mlp(h, hp.layer)  # [B, Q, D]
     if hp.final_norm is not None:
         x = rms_norm(x, hp.final_norm, hcfg.rms_norm_eps)
     return x, k_cache, v_cache
