@@ -1,4 +1,4 @@
-"""The `jaxoverlap` command line: generate, serve, client, bench.
+"""The `jaxoverlap` command line: generate, profile, serve, client, bench.
 
 argparse lives here only; everything below it takes EngineConfig / SamplingParams.
 """
@@ -110,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+
+    from jaxoverlap.profiling.cli import add_profile_args, run_profile
+
+    p = sub.add_parser("profile", help="device trace and host timings with and without overlap (plots, JSON)")
+    add_profile_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=lambda a: run_profile(a, engine_options(a)))
 
     try:
         from jaxoverlap.server import cli_commands

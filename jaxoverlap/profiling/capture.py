@@ -1,0 +1,164 @@
+"""Run the profile workload on an Engine, with the overlap loop and with the normal loop: timed
+runs for throughput and host timings, and one traced run per loop for the device timeline.
+
+The workload is `batch_size` requests of `prompt_len` random prompt tokens, all queued at
+once, each generating exactly `new_tokens` tokens greedily (EOS ignored), so both loops do
+the same work. Every run draws new prompts, so the prefix cache never turns a later run's
+prefill into a cache hit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from jaxoverlap.engine import Engine, StepTiming
+from jaxoverlap.profiling import trace as trace_mod
+from jaxoverlap.sampling_params import SamplingParams
+
+MODES = ("overlap", "normal")  # engine.overlap True / False
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceWindow:
+    steps: int  # loop iterations to trace
+    skip: int = 2  # start once this many iterations in a row launched decode steps
+
+
+@dataclasses.dataclass
+class Run:
+    mode: str
+    wall_s: float
+    tokens: int
+    timings: list[StepTiming]
+    attribution: trace_mod.Attribution | None = None  # traced runs only
+    trace_file: str | None = None  # kept trace (when asked for)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class WorkloadRunner:
+    def __init__(self, engine: Engine, seed: int = 0):
+        self.engine = engine
+        self._rng = np.random.default_rng(seed)
+        self._runs = 0
+
+    def _submit(self, w: Workload) -> None:
+        vocab = self.engine.model_config.vocab_size
+        params = SamplingParams(max_new_tokens=w.new_tokens, temperature=0.0, ignore_eos=True)
+        for i in range(w.batch_size):
+            prompt = self._rng.integers(1, vocab, w.prompt_len).tolist()  # [prompt_len]
+            self.engine.add_request(f"profile-{self._runs}-{i}", prompt, params)
+        self._runs += 1
+
+    def run(self, w: Workload, mode: str, window: TraceWindow | None = None, trace_dir: str | None = None) -> Run:
+        """One workload to completion. With a window, traces that many loop iterations of the
+        decode phase into trace_dir and attributes the trace's device ops to steps."""
+        engine = self.engine
+        engine.set_overlap(mode == "overlap")
+        # Launch spans name their iteration as len(engine.timings): clearing makes it the
+        # index into this run's timings.
+        engine.timings.clear()
+        tokens0 = engine.tokens_generated
+        self._submit(w)
+        tracing, traced = False, 0
+        t0 = time.perf_counter()
+        while engine.has_work():
+            if window is not None and not tracing and traced == 0 and self._steady(window.skip):
+                _start_trace(trace_dir)
+                tracing = True
+            engine.step()
+            if tracing:
+                traced += 1
+                if traced >= window.steps:
+                    _stop_trace(engine)
+                    tracing = False
+        if tracing:  # the workload ended inside the window
+            _stop_trace(engine)
+        wall = time.perf_counter() - t0
+        run = Run(mode, wall, engine.tokens_generated - tokens0, list(engine.timings))
+        if window is not None:
+            if traced == 0:
+                raise RuntimeError(f"the workload never reached {window.skip} decode steps in a row: "
+                                   "raise --new-tokens")
+            run.trace_file = trace_mod.find_trace_file(trace_dir)
+            run.attribution = trace_mod.attribute_events(trace_mod.load_events(run.trace_file))
+        return run
+
+    def _steady(self, skip: int) -> bool:
+        t = self.engine.timings
+        return len(t) >= skip and all(t[-1 - i].kind == "decode" for i in range(skip))
+
+
+def _start_trace(trace_dir: str) -> None:
+    # The Python tracer would record every Python call and slow the host several times over,
+    # which is the very time this profile measures; JAX's own C++ host events stay.
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+
+
+def _stop_trace(engine: Engine) -> None:
+    # Under overlap the last traced step is still running: wait for it (the device state is
+    # its output) so that all of its ops are in the trace.
+    jax.block_until_ready(engine.runner.state)
+    jax.profiler.stop_trace()
+
+
+@dataclasses.dataclass
+class BatchResult:
+    workload: Workload
+    timed: dict[str, list[Run]]  # mode -> timed runs (untraced)
+    traced: dict[str, Run]  # mode -> the traced run
+
+
+def profile(engine: Engine, workloads: list[Workload], *, repeats: int = 3, window: TraceWindow = TraceWindow(8),
+            keep_traces: str | None = None, log=print) -> list[BatchResult]:
+    """For each workload: a warm-up run per loop (compiles), `repeats` timed runs per loop
+    (the loops alternate, so drift hits both alike), then one traced run per loop."""
+    runner = WorkloadRunner(engine)
+    results = []
+    for w in workloads:
+        for mode in MODES:
+            runner.run(w, mode)  # compile every shape this workload meets
+        timed = {m: [] for m in MODES}
+        for r in range(repeats):
+            for mode in MODES:
+                run = runner.run(w, mode)
+                timed[mode].append(run)
+                log(f"  B={w.batch_size} {mode:7s} run {r}: {run.tokens} tokens in {run.wall_s:.3f} s = "
+                    f"{run.tokens_per_s:.1f} tok/s")
+        traced = {}
+        for mode in MODES:
+            tmp = tempfile.mkdtemp(prefix="jaxoverlap-trace-")
+            try:
+                run = runner.run(w, mode, window, tmp)
+                if keep_traces:
+                    os.makedirs(keep_traces, exist_ok=True)
+                    dst = os.path.join(keep_traces, f"trace_{mode}_b{w.batch_size}.json.gz")
+                    shutil.copyfile(run.trace_file, dst)
+                    run.trace_file = dst
+                else:
+                    run.trace_file = None
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            traced[mode] = run
+            a = run.attribution
+            log(f"  B={w.batch_size} {mode:7s} traced: {len(a.steps)} steps, {sum(len(s.ops) for s in a.steps)} "
+                f"device ops placed by {a.methods}, {len(a.unplaced)} unplaced")
+        results.append(BatchResult(w, timed, traced))
+    return results

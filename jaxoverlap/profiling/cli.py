@@ -1,0 +1,60 @@
+"""`jaxoverlap profile`: arguments and main. Imports JAX only when the command runs."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("profile")
+    g.add_argument("--out", default="results/profile", help="folder for profile.json and the PNGs")
+    g.add_argument("--batch-size", type=int, nargs="+", default=[8], help="requests per workload (several: one each)")
+    g.add_argument("--prompt-len", type=int, default=64)
+    g.add_argument("--new-tokens", type=int, default=64, help="tokens each request generates (EOS ignored)")
+    g.add_argument("--steps", type=int, default=8, help="loop iterations traced per loop (decode phase)")
+    g.add_argument("--skip", type=int, default=2, help="decode iterations before the trace starts")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per loop for throughput")
+    g.add_argument("--keep-traces", action="store_true", help="copy the raw traces into --out")
+    g.add_argument("--no-plots", action="store_true")
+
+
+def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
+    import jax
+
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+    from jaxoverlap.profiling import capture, report
+
+    if args.new_tokens < args.skip + 2:
+        sys.exit(f"--new-tokens {args.new_tokens} leaves no decode steps to trace after --skip {args.skip}")
+    needed = max(args.batch_size)
+    opts = dict(engine_options)
+    if opts.get("max_running_requests", needed) < needed:
+        sys.exit(f"--batch-size {needed} > --max-running-requests {opts['max_running_requests']}")
+    os.makedirs(args.out, exist_ok=True)
+    engine = Engine(EngineConfig.from_options(args.model, **opts))
+    workloads = [capture.Workload(b, args.prompt_len, args.new_tokens) for b in args.batch_size]
+    print(f"profiling {engine.model_name} on {jax.devices()[0].device_kind} ({jax.default_backend()}): "
+          f"batch {args.batch_size}, prompt {args.prompt_len}, {args.new_tokens} new tokens", file=sys.stderr)
+    results = capture.profile(engine, workloads, repeats=args.repeats,
+                              window=capture.TraceWindow(args.steps, args.skip),
+                              keep_traces=args.out if args.keep_traces else None,
+                              log=lambda s: print(s, file=sys.stderr))
+    meta = {
+        "model": engine.model_name, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__, "python": platform.python_version(), "dtype": str(engine.dtype.__name__),
+        "engine_options": {k: v for k, v in opts.items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "trace_steps": args.steps, "skip": args.skip, "repeats": args.repeats,
+    }
+    rep = report.build(results, meta)
+    report.write_json(rep, os.path.join(args.out, "profile.json"))
+    print(report.table(rep))
+    if not args.no_plots:
+        from jaxoverlap.profiling import plots
+
+        for path in plots.write_all(rep, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {os.path.join(args.out, 'profile.json')}", file=sys.stderr)
+    return 0

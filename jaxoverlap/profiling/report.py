@@ -1,0 +1,204 @@
+"""Numbers of a profile: per-step device time, gaps between steps, host time per step,
+throughput; as the dict written to profile.json and as a printed table.
+
+Device numbers come from the traced run of each loop, host and throughput numbers from the
+timed (untraced) runs. Host numbers are per loop iteration that launched a decode step:
+in the overlap loop that iteration prepares and launches step N+1 and waits for and
+processes step N, in the normal loop it does all four for one step.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from jaxoverlap.profiling.capture import MODES, BatchResult, Run
+from jaxoverlap.profiling.trace import Attribution, Step
+
+HOST_PARTS = ("prepare", "launch", "wait", "process")  # StepTiming fields, without the _s
+TIMELINE_STEPS = 3
+
+
+def summary(values, scale: float = 1.0) -> dict:
+    """median / p90 / mean / max / min of values * scale, and their count."""
+    v = np.asarray(list(values), np.float64) * scale
+    if v.size == 0:
+        return {"n": 0}
+    return {"n": int(v.size), "median": float(np.median(v)), "p90": float(np.percentile(v, 90)),
+            "mean": float(v.mean()), "max": float(v.max()), "min": float(v.min())}
+
+
+def host_section(runs: list[Run]) -> dict:
+    timings = [t for r in runs for t in r.timings]
+    decode = [t for t in timings if t.kind == "decode"]
+    out = {"iterations": len(decode)}
+    for part in HOST_PARTS + ("fresh_wait",):
+        out[f"{part}_ms"] = summary([getattr(t, f"{part}_s") for t in decode], 1e3)
+    # What the host spends on one step itself (the article's Figure 3), waiting excluded.
+    out["busy_ms"] = summary([t.prepare_s + t.launch_s + t.process_s for t in decode], 1e3)
+    # One loop iteration, waits included: once the loop runs steadily, one step per this
+    # long, untraced (the tracer slows the host down; see device.launch_span_ms).
+    out["iteration_ms"] = summary([t.prepare_s + t.launch_s + t.wait_s + t.process_s + t.fresh_wait_s
+                                   for t in decode], 1e3)
+    # Sums over every iteration of the timed runs (prefill and drain ones too), to hold
+    # against their wall time: the rest is the loop's own overhead.
+    out["totals_s"] = {part: float(sum(getattr(t, f"{part}_s") for t in timings)) for part in HOST_PARTS + ("fresh_wait",)}
+    out["totals_s"]["iterations"] = len(timings)
+    out["totals_s"]["wall"] = float(sum(r.wall_s for r in runs))
+    return out
+
+
+def device_section(a: Attribution) -> dict:
+    decode = [s for s in a.steps if s.launch.kind == "decode"]
+    periods = [b.start - s.start for s, b in zip(decode, decode[1:]) if b.launch.index == s.launch.index + 1]
+    placed = sum(len(s.ops) for s in a.steps)
+    return {
+        "platform": a.platform,
+        "launches": len(a.launches),
+        "steps": len(a.steps),
+        "decode_steps": len(decode),
+        "step_ms": summary([s.span for s in decode], 1e-3),
+        "busy_ms": summary([s.busy for s in decode], 1e-3),
+        "gap_ms": summary(a.gaps(("decode",)), 1e-3),
+        "period_ms": summary(periods, 1e-3),
+        "ops_per_step": summary([len(s.ops) for s in decode]),
+        # The host launch spans as traced, to hold against host.launch_ms (untraced): on a GPU
+        # the tracer's callbacks make launches slower, which widens the gaps of the normal loop.
+        "launch_span_ms": summary([s.launch.dur for s in decode], 1e-3),
+        "ops_placed": placed,
+        "ops_unplaced": len(a.unplaced),
+        "placed_by": a.methods,
+    }
+
+
+def _host_rows(step: Step, run: Run) -> dict:
+    """Host intervals of the loop iteration that launched `step`, in trace microseconds: the
+    launch span is measured in the trace; prepare, wait and process are placed around it
+    from that iteration's StepTiming (same order as in engine.py)."""
+    lt = step.launch
+    if not 0 <= lt.iteration < len(run.timings):
+        return {"launch": [lt.ts, lt.dur]}
+    t = run.timings[lt.iteration]
+    fresh = t.fresh_wait_s * 1e6
+    return {
+        "prepare": [lt.ts - fresh - t.prepare_s * 1e6, t.prepare_s * 1e6],
+        "launch": [lt.ts, lt.dur],
+        "wait": [lt.end, t.wait_s * 1e6],
+        "process": [lt.end + t.wait_s * 1e6, t.process_s * 1e6],
+    }
+
+
+def _intervals(ops, t0: float, join_us: float = 1.0) -> list:
+    """Device busy intervals for the plot, [start_us, dur_us, is_copy]: kernels and copies
+    apart, ops less than join_us apart merged (a GPU step is ~700 back-to-back kernels, and
+    a pixel of the plot is ~20 us)."""
+    out = []
+    for copy in (False, True):
+        cur = None  # [start, end] being merged
+        for o in sorted((o for o in ops if o.is_copy == copy), key=lambda o: o.ts):
+            if cur is not None and o.ts - cur[1] <= join_us:
+                cur[1] = max(cur[1], o.end)
+                continue
+            if cur is not None:
+                out.append([round(cur[0] - t0, 3), round(cur[1] - cur[0], 3), copy])
+            cur = [o.ts, o.end]
+        if cur is not None:
+            out.append([round(cur[0] - t0, 3), round(cur[1] - cur[0], 3), copy])
+    return out
+
+
+def timeline_section(run: Run, n: int = TIMELINE_STEPS) -> dict:
+    """n consecutive decode steps for the timeline plot (the second to n+1-th of the window
+    where there are enough: the first may feel the trace's start), with the device ops of
+    the steps just before and after them as context. Times in us from the first one's
+    prepare. Each host interval names the launch it works for: prepare and launch work for
+    the step launched in that iteration; wait and process for the previous launch in the
+    overlap loop, for the same one in the normal loop."""
+    steps = run.attribution.steps
+    runs_of_n = [i for i in range(len(steps) - n + 1)
+                 if all(s.launch.kind == "decode" for s in steps[i:i + n])
+                 and steps[i + n - 1].launch.index == steps[i].launch.index + n - 1]
+    if not runs_of_n:
+        return {"steps": [], "context": []}
+    first = runs_of_n[1] if len(runs_of_n) > 1 else runs_of_n[0]
+    chosen = steps[first:first + n]
+    context = steps[max(0, first - 1):first] + steps[first + n:first + n + 1]
+    host = [_host_rows(s, run) for s in chosen]
+    t0 = min([s.start for s in chosen] + [h[k][0] for h in host for k in h])
+    lag = 1 if run.mode == "overlap" else 0
+    out = []
+    for s, h in zip(chosen, host):
+        idx = s.launch.index
+        out.append({
+            "launch_index": idx, "iteration": s.launch.iteration, "kind": s.launch.kind,
+            "start_us": s.start - t0, "end_us": s.end - t0,
+            "ops": _intervals(s.ops, t0),  # busy intervals, [start_us, dur_us, is_copy]
+            # part -> [start_us, dur_us, launch index it works for]
+            "host": {k: [v[0] - t0, v[1], idx - lag if k in ("wait", "process") else idx] for k, v in h.items()},
+        })
+    ctx = _intervals([o for s in context for o in s.ops], t0)
+    return {"steps": out, "context": ctx}
+
+
+def build(results: list[BatchResult], meta: dict) -> dict:
+    batches = []
+    for r in results:
+        modes = {}
+        for mode in MODES:
+            timed, traced = r.timed[mode], r.traced[mode]
+            tps = [x.tokens_per_s for x in timed]
+            modes[mode] = {
+                "throughput_tok_s": float(np.median(tps)) if tps else 0.0,
+                "throughput_runs_tok_s": tps,
+                "tokens_per_run": timed[0].tokens if timed else traced.tokens,
+                "traced_run_tok_s": traced.tokens_per_s,
+                "host": host_section(timed or [traced]),
+                "device": device_section(traced.attribution),
+                "timeline": timeline_section(traced),
+                "trace_file": traced.trace_file,
+            }
+        for m in modes.values():
+            # Device idle per step without the tracer, estimated: the untraced loop period
+            # less the device step (0 where the loop keeps the device busy).
+            it, step = m["host"]["iteration_ms"].get("median"), m["device"]["step_ms"].get("median")
+            m["untraced_gap_estimate_ms"] = max(0.0, it - step) if it is not None and step is not None else None
+        on, off = modes["overlap"]["throughput_tok_s"], modes["normal"]["throughput_tok_s"]
+        batches.append({
+            "batch_size": r.workload.batch_size, "prompt_len": r.workload.prompt_len,
+            "new_tokens": r.workload.new_tokens, "modes": modes,
+            "overlap_gain": on / off - 1.0 if off > 0 else None,
+        })
+    return {"meta": meta, "batches": batches}
+
+
+def write_json(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def _ms(d: dict, key: str = "median") -> str:
+    v = d.get(key)
+    return "-" if v is None else f"{v:.3f}"
+
+
+def table(report: dict) -> str:
+    cols = ["B", "loop", "tok/s", "step med", "step p90", "gap med", "gap p90", "gap max", "gap est",
+            "prepare", "launch", "process", "wait", "host busy", "iter", "traced launch"]
+    rows = []
+    for b in report["batches"]:
+        for mode, m in b["modes"].items():
+            d, h = m["device"], m["host"]
+            rows.append([str(b["batch_size"]), mode, f"{m['throughput_tok_s']:.1f}",
+                         _ms(d["step_ms"]), _ms(d["step_ms"], "p90"),
+                         _ms(d["gap_ms"]), _ms(d["gap_ms"], "p90"), _ms(d["gap_ms"], "max"),
+                         _ms({"median": m["untraced_gap_estimate_ms"]}),
+                         _ms(h["prepare_ms"]), _ms(h["launch_ms"]), _ms(h["process_ms"]), _ms(h["wait_ms"]),
+                         _ms(h["busy_ms"]), _ms(h["iteration_ms"]), _ms(d["launch_span_ms"])])
+        if b["overlap_gain"] is not None:
+            rows.append([str(b["batch_size"]), "gain", f"{100 * b['overlap_gain']:+.1f}%"] + [""] * (len(cols) - 3))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    lines.append("ms; step, gap: traced device ops of decode steps; prepare..iter: medians per decode loop "
+                 "iteration, untraced (engine.timings); gap est = iter - step; traced launch: launch span in the trace")
+    return "\n".join(lines)

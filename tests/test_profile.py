@@ -1,0 +1,286 @@
+"""`jaxoverlap profile`: trace parsing on synthetic events (step attribution, gaps, overlap
+with zero gaps, GPU correlation ids), and real runs on CPU (the tiny test engine through
+the API, the embedded default model through the CLI)."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxoverlap.profiling import trace
+
+HOST, PY = 1, 10  # host process and its Python thread
+CPU_POOL = 11  # an XLA CPU worker thread
+WORKER = 12  # a PJRT worker thread (GPU copies' host events)
+GPU, STREAM, H2D, D2H, DERIVED = 2, 20, 21, 22, 23
+
+
+def proc(pid, name):
+    return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+
+
+def thread(pid, tid, name):
+    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+
+
+def x(name, ts, dur, pid=HOST, tid=PY, **args):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def launch(k, ts, dur=10.0, kind="decode", program="decode_step"):
+    """A launch span with its (doubly nested, as JAX writes it) PjitFunction inside."""
+    return [x("jaxoverlap.launch", ts, dur, kind=kind, size="4", iteration=str(100 + k)),
+            x(f"PjitFunction({program})", ts + 1, dur - 2), x(f"PjitFunction({program})", ts + 1, dur - 2)]
+
+
+def cpu_execution(run_id, start, n_ops=4, op_us=5.0, program="jit_decode_step"):
+    """One program execution on the CPU thunk runtime: n back-to-back thunks (plus the
+    `end:` markers and ThunkExecutor span, which are no ops)."""
+    ev = [x("ThunkExecutor::Execute", start, n_ops * op_us, tid=CPU_POOL)]
+    for i in range(n_ops):
+        ts = start + i * op_us
+        ev.append(x(f"fusion.{i}", ts, op_us, tid=CPU_POOL, hlo_module=program, hlo_op=f"fusion.{i}", run_id=run_id))
+        ev.append(x(f"end: fusion.{i}", ts + op_us - 0.1, 0.05, tid=CPU_POOL))
+    return ev
+
+
+def cpu_header():
+    return [proc(HOST, "/host:CPU"), thread(HOST, PY, "python"), thread(HOST, CPU_POOL, "tf_XLAPjRtCpuClient/1")]
+
+
+def test_normal_loop_cpu_steps_and_gaps():
+    # Launch k at 100k; its execution starts 15 us later, runs 20 us: gaps of 80 us.
+    ev = cpu_header()
+    for k in range(4):
+        ev += launch(k, 100.0 * k)
+        ev += cpu_execution(str(500 + k), 100.0 * k + 15)
+    a = trace.attribute_events(ev)
+    assert a.platform == "cpu"
+    assert [s.launch.index for s in a.steps] == [0, 1, 2, 3]
+    assert [s.launch.iteration for s in a.steps] == [100, 101, 102, 103]
+    assert all(s.launch.programs == ("decode_step",) for s in a.steps)  # nested duplicate dropped
+    for k, s in enumerate(a.steps):
+        assert {o.run_id for o in s.ops} == {str(500 + k)}
+        assert len(s.ops) == 4  # `end:` markers and ThunkExecutor::Execute are no ops
+        assert s.start == pytest.approx(100.0 * k + 15) and s.span == pytest.approx(20.0)
+    assert a.gaps() == pytest.approx([80.0, 80.0, 80.0])
+    assert a.methods == {"program_order": 16} and not a.unplaced
+
+
+def test_overlap_zero_gaps_attributed_by_launch_not_by_time():
+    # Overlap: launch k+1 happens while execution k still runs, executions back to back.
+    # Time order alone would give the tail of execution k to launch k+1; gap splitting
+    # would see one long step.
+    ev = cpu_header()
+    for k in range(5):
+        ev += launch(k, 100.0 * k)
+        ev += cpu_execution(str(700 + k), 20.0 + 100.0 * k, n_ops=4, op_us=25.0)  # [20+100k, 120+100k]
+    a = trace.attribute_events(ev)
+    assert len(a.steps) == 5
+    for k, s in enumerate(a.steps):
+        assert {o.run_id for o in s.ops} == {str(700 + k)}
+        assert s.span == pytest.approx(100.0)
+        assert s.launch.end < s.end and s.end > 100.0 * (k + 1)  # ran past the next launch
+    assert a.gaps() == pytest.approx([0.0] * 4)
+
+
+def test_execution_from_before_the_trace_stays_unplaced():
+    ev = cpu_header()
+    ev += cpu_execution("1", 0.0, op_us=30.0)  # launched before the trace began: [0, 120]
+    for k in range(3):
+        ev += launch(k, 50.0 + 100.0 * k)
+        ev += cpu_execution(str(2 + k), 120.0 + 100.0 * k, op_us=25.0)
+    a = trace.attribute_events(ev)
+    assert [{o.run_id for o in s.ops} for s in a.steps] == [{"2"}, {"3"}, {"4"}]
+    assert {o.run_id for o in a.unplaced} == {"1"} and len(a.unplaced) == 4
+
+
+def test_programs_matched_by_name_and_order():
+    # A prefill launch and a decode launch whose executions start in the other order: the
+    # names, not the start times, decide.
+    ev = cpu_header()
+    ev += launch(0, 0.0, kind="prefill", program="prefill_step")
+    ev += launch(1, 20.0, kind="decode", program="decode_step")
+    ev += cpu_execution("9", 40.0, program="jit_decode_step")
+    ev += cpu_execution("8", 70.0, program="jit_prefill_step")
+    a = trace.attribute_events(ev)
+    by_kind = {s.launch.kind: {o.run_id for o in s.ops} for s in a.steps}
+    assert by_kind == {"prefill": {"8"}, "decode": {"9"}}
+    # Gaps follow launch order: here the decode ran before the prefill ended.
+    assert a.gaps() == pytest.approx([40.0 - 90.0])
+    assert a.gaps(("decode",)) == []  # no decode -> decode pair
+
+
+def gpu_trace(n_steps=4, step_us=1000.0, gap_us=0.0, kernels=5):
+    """As JAX 0.11 on an H200 writes it: a step's kernels on the compute stream with the
+    correlation id of the cuGraphLaunch inside its launch span, an input copy (H2D) whose
+    host event is on a PJRT worker thread during the launch, and an output copy (D2H) on its
+    own stream whose host event fires when the kernels are done (here inside the next
+    launch span, as under overlap); plus a derived 'XLA Ops' row that repeats the kernels.
+    No run ids."""
+    ev = [proc(HOST, "/host:CPU"), thread(HOST, PY, "python"), thread(HOST, WORKER, "pjrt_async_work_runner/1"),
+          proc(GPU, "/device:GPU:0"), thread(GPU, STREAM, "Stream #14(Compute)"),
+          thread(GPU, H2D, "Stream #15(MemcpyH2D)"), thread(GPU, D2H, "Stream #16(MemcpyD2H)"),
+          thread(GPU, DERIVED, "XLA Ops")]
+    cid = 0
+    for k in range(n_steps):
+        ts = 300.0 + k * (step_us + gap_us)  # host launches step k while step k-1 runs
+        t_dev = 500.0 + k * (step_us + gap_us)
+        ev.append(x("jaxoverlap.launch", ts, 400.0, kind="decode", size="1", iteration=str(k)))
+        cid += 1
+        ev.append(x("MemcpyH2D", ts + 20, 5.0, tid=WORKER, correlation_id=str(cid)))
+        ev.append(x("MemcpyH2D", t_dev - 10, 2.0, pid=GPU, tid=H2D, correlation_id=str(cid)))
+        cid += 1
+        ev.append(x("cuGraphLaunch (CudaGraph:1)", ts + 100, 50.0, correlation_id=str(cid)))
+        for i in range(kernels):
+            kt = t_dev + i * step_us / kernels
+            ev.append(x(f"loop_fusion_{i}", kt, step_us / kernels, pid=GPU, tid=STREAM, correlation_id=str(cid),
+                        hlo_module="jit_decode_step"))
+            ev.append(x(f"loop_fusion_{i}", kt, step_us / kernels, pid=GPU, tid=DERIVED))
+        cid += 1
+        ev.append(x("MemcpyD2H", t_dev + step_us + 10, 5.0, tid=WORKER, correlation_id=str(cid)))
+        ev.append(x("MemcpyD2H", t_dev + step_us + 20, 50.0, pid=GPU, tid=D2H, correlation_id=str(cid)))
+    return ev
+
+
+@pytest.mark.parametrize("gap_us", [0.0, 280.0])
+def test_gpu_correlation_ids(gap_us):
+    a = trace.attribute_events(gpu_trace(gap_us=gap_us))
+    assert a.platform == "gpu"
+    assert len(a.steps) == 4 and not a.unplaced
+    # 5 kernels + the input copy by correlation id, the output copy after its step; the
+    # derived row is no ops.
+    assert a.methods == {"correlation_id": 4 * 6, "after_step": 4}
+    for k, s in enumerate(a.steps):
+        assert len(s.ops) == 7 and sum(o.is_copy for o in s.ops) == 2 and sum(o.is_d2h for o in s.ops) == 1
+        (d2h,) = [o for o in s.ops if o.is_d2h]
+        assert d2h.ts == pytest.approx(500.0 + k * (1000.0 + gap_us) + 1020.0)  # its own step's outputs
+        assert s.span == pytest.approx(1000.0)  # kernels only: the copies lie outside
+    assert a.gaps() == pytest.approx([gap_us] * 3)
+
+
+def _drop_args(events, *keys):
+    for e in events:
+        for k in keys:
+            (e.get("args") or {}).pop(k, None)
+    return events
+
+
+@pytest.mark.parametrize("gap_us", [0.0, 280.0])
+def test_gpu_without_correlation_ids_cuts_executions_by_kernel_names(gap_us):
+    ev = gpu_trace(gap_us=gap_us)
+    # The tail of a step launched before the trace began: stays unplaced.
+    ev += [x(f"loop_fusion_{i}", 200.0 + 100 * j, 100.0, pid=GPU, tid=STREAM, hlo_module="jit_decode_step")
+           for j, i in enumerate((3, 4))]
+    a = trace.attribute_events(_drop_args(ev, "correlation_id"))
+    assert len(a.steps) == 4 and a.methods["program_order"] == 4 * 5
+    for k, s in enumerate(a.steps):
+        kernels = [o for o in s.ops if not o.is_copy]
+        assert [o.name for o in kernels] == [f"loop_fusion_{i}" for i in range(5)]
+        assert kernels[0].ts == pytest.approx(500.0 + k * (1000.0 + gap_us))
+    assert a.gaps() == pytest.approx([gap_us] * 3)
+    assert sorted(o.ts for o in a.unplaced if not o.is_copy) == [200.0, 300.0]
+
+
+def test_gpu_without_any_ids_falls_back_to_time_order():
+    a = trace.attribute_events(_drop_args(gpu_trace(gap_us=280.0), "correlation_id", "hlo_module"))
+    assert a.methods == {"time_order": 4 * 7} and len(a.steps) == 4
+
+
+def test_name_period():
+    assert trace.name_period(list("abcabcab")) == 3
+    assert trace.name_period(list("abcab")) is None  # fewer than two whole periods
+    assert trace.name_period(list("abcabd")) is None
+
+
+def test_helpers_and_loading(tmp_path):
+    assert trace.union_length([(0, 10), (5, 12), (20, 25)]) == 17
+    assert trace.normalize_program("jit_decode_step") == "decode_step"
+    assert trace.normalize_program("PjitFunction(decode_step)") == "decode_step"
+    assert trace.normalize_program("jit_decode_step(42)") == "decode_step"
+    d = tmp_path / "plugins" / "profile" / "run1"
+    d.mkdir(parents=True)
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": gpu_trace()}, f)
+    assert len(trace.attribute_events(trace.load_events(str(tmp_path))).steps) == 4
+
+
+# -- real runs ---------------------------------------------------------------------------------------
+def test_profile_api_on_tiny_engine():
+    from engine_fixtures import make_engine
+
+    from jaxoverlap.profiling import capture, report
+
+    engine = make_engine()
+    w = capture.Workload(batch_size=4, prompt_len=12, new_tokens=14)
+    results = capture.profile(engine, [w], repeats=1, window=capture.TraceWindow(steps=6, skip=2), log=lambda s: None)
+    rep = report.build(results, {})
+    (b,) = rep["batches"]
+    for mode in ("overlap", "normal"):
+        run, traced, m = results[0].timed[mode][0], results[0].traced[mode], b["modes"][mode]
+        assert run.tokens == traced.tokens == 4 * 14
+        # Host numbers are those of engine.timings.
+        dec = [t for t in run.timings if t.kind == "decode"]
+        assert m["host"]["iterations"] == len(dec) > 0
+        for part in ("prepare", "launch", "wait", "process"):
+            assert m["host"][f"{part}_ms"]["median"] == pytest.approx(np.median([getattr(t, f"{part}_s") for t in dec]) * 1e3)
+            assert m["host"]["totals_s"][part] == pytest.approx(sum(getattr(t, f"{part}_s") for t in run.timings))
+        tot = m["host"]["totals_s"]
+        timed_sum = tot["prepare"] + tot["launch"] + tot["wait"] + tot["process"] + tot["fresh_wait"]
+        assert 0.5 * tot["wall"] < timed_sum <= tot["wall"]  # the rest is loop overhead
+        # Every traced launch span names the loop iteration whose StepTiming it belongs to.
+        a = traced.attribution
+        assert len(a.launches) == 6
+        for s in a.steps:
+            t = traced.timings[s.launch.iteration]
+            assert (t.kind, t.batch_size) == (s.launch.kind, s.launch.size) == ("decode", 4)
+        d = m["device"]
+        assert d["platform"] == "cpu" and d["decode_steps"] >= 5
+        assert set(d["placed_by"]) == {"program_order"}  # CPU traces carry no correlation ids
+        assert d["step_ms"]["median"] > 0 and d["busy_ms"]["median"] <= d["step_ms"]["median"] + 1e-9
+        assert d["gap_ms"]["n"] >= 4
+    assert b["modes"]["normal"]["device"]["ops_unplaced"] == 0  # nothing in flight when the trace starts
+    # The normal loop launches a step only after the device finished the one before, so
+    # with the ops given to the right steps each launch follows the previous step's last op,
+    # and the device idles between steps.
+    steps = results[0].traced["normal"].attribution.steps
+    assert all(b_.launch.ts >= a_.end - 1.0 for a_, b_ in zip(steps, steps[1:]))
+    assert b["modes"]["normal"]["device"]["gap_ms"]["min"] > 0
+    # (Whether overlap shrinks the gap on CPU depends on the cores: with 2, the host thread
+    # slows XLA's worker threads down, and the tiny model's step is shorter than the host's.)
+
+
+def test_profile_cli_writes_json_and_plots(tmp_path, capsys):
+    from jaxoverlap.cli import main
+
+    out = tmp_path / "prof"
+    rc = main(["profile", "--out", str(out), "--batch-size", "1", "2", "--prompt-len", "8", "--new-tokens", "10",
+               "--steps", "4", "--repeats", "1", "--max-running-requests", "4", "--max-context-len", "64",
+               "--kv-cache-tokens", "512"])
+    assert rc == 0
+    rep = json.loads((out / "profile.json").read_text())
+    assert [b["batch_size"] for b in rep["batches"]] == [1, 2]
+    for b in rep["batches"]:
+        assert set(b["modes"]) == {"overlap", "normal"}
+        for m in b["modes"].values():
+            assert m["throughput_tok_s"] > 0 and m["tokens_per_run"] == b["batch_size"] * 10
+            assert m["device"]["step_ms"]["median"] > 0
+            assert len(m["timeline"]["steps"]) == 3
+    for name in ("timeline_b1.png", "timeline_b2.png", "host_time.png", "throughput.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000, name
+    table = capsys.readouterr().out
+    assert "overlap" in table and "normal" in table and "gain" in table
+    assert not os.path.exists(out / "trace_overlap_b1.json.gz")  # traces kept only when asked
+
+
+def test_timeline_intervals_merge_back_to_back_ops():
+    from jaxoverlap.profiling.report import _intervals
+
+    ops = [trace.DeviceOp(f"k{i}", 100.0 + 10 * i, 9.5, "decode_step", None, None, "Stream", False) for i in range(5)]
+    ops += [trace.DeviceOp("k5", 200.0, 5.0, "decode_step", None, None, "Stream", False),
+            trace.DeviceOp("MemcpyD2H", 120.0, 2.0, None, None, None, "Stream #16(MemcpyD2H)", True, True)]
+    assert _intervals(ops, t0=100.0) == [[0.0, 49.5, False], [100.0, 5.0, False], [20.0, 2.0, True]]
