@@ -42,6 +42,11 @@ QWEN3_8B = {
 }
 
 
+# Qwen3-8B's layout shrunk for CPU smoke runs of the benchmark scripts (--tiny).
+TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
 def model_dir(config: dict) -> str:
     """A checkpoint folder holding only config.json, for load_format='dummy'."""
     d = tempfile.mkdtemp(prefix="jaxoverlap-model-")

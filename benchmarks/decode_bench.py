@@ -16,10 +16,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, copy_bandwidth_gbs, ensure_importable, median, model_dir, print_table  # noqa: E402
+from common import QWEN3_8B, TINY, copy_bandwidth_gbs, ensure_importable, median, model_dir, print_table  # noqa: E402
 
-TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
 
 def device_step_ms(engine, batch_size: int, iters: int) -> float:
@@ -100,7 +98,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device-iters", type=int, default=50)
-    ap.add_argument("--attention-backend", default="xla")
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()

@@ -399,6 +399,12 @@ class Engine:
             "accept_length": s.num_accepted_tokens / s.num_verify_rows if s.num_verify_rows else 1.0,
         }
 
+    def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int = 8) -> list[dict]:
+        """Compile the decode programs before traffic arrives: by default every batch bucket
+        at every context bucket, greedy (pass sampling=(False, True) for both programs).
+        Returns the compile time of each program (ModelRunner.precompile)."""
+        return self.runner.precompile(batch_sizes, ctx_lens, sampling, threads)
+
     def check_integrity(self) -> None:
         """Every page is free, cached or held by an admitted request; every entry is accounted for."""
         self.scheduler.check_integrity()

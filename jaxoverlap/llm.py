@@ -25,6 +25,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def warmup(self, batch_sizes=None, ctx_lens=None, **kw) -> list[dict]:
+        """Compile the decode programs ahead of the first generate (Engine.warmup)."""
+        return self.engine.warmup(batch_sizes, ctx_lens, **kw)
+
     def _submit(self, prompts, sampling_params) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids

@@ -115,7 +115,7 @@ class ModelRunner:
         if batch.kind == "prefill":
             out = self._launch_spec_prefill(batch) if self.spec else self._launch_prefill(batch)
         else:
-            out = self._launch_spec_decode(batch) if self.spec else self._launch_decode(batch)
+            out = self._launch_decode(batch)
         # Start the copy now so that the host's later wait is for the step, not the copy.
         out.tokens.copy_to_host_async()
         out.logprobs.copy_to_host_async()
@@ -123,37 +123,71 @@ class ModelRunner:
             out.accept_lens.copy_to_host_async()
         return LaunchedStep(batch, out)
 
-    def _launch_decode(self, batch: ScheduledBatch) -> steps.StepOutput:
+    def _launch_decode(self, batch: ScheduledBatch):
+        """A plain or speculative decode step (the drafter decides which)."""
         B = pick(self.batch_buckets, batch.size)
         entries = np.zeros((B,), np.int32)  # padded rows on entry 0
         entries[: batch.size] = [row.req.entry for row in batch.rows]
-        res = self._reservations(batch, max(8, B * self.decode_pages_per_row))
-        self.state, out = steps.decode_step(
-            self.params, self.state, entries, res,
-            cfg=self.model_cfg, ctx_len=self._ctx_len(batch), page_size=self.page_size, attention=self.attention,
-            sampling=batch_samples(batch),
-        )
-        return out
-
-    def _launch_spec_decode(self, batch: ScheduledBatch):
-        from jaxoverlap.speculative.step import HostDrafts, spec_decode_step
-
-        B = pick(self.batch_buckets, batch.size)
-        entries = np.zeros((B,), np.int32)  # padded rows on entry 0
-        entries[: batch.size] = [row.req.entry for row in batch.rows]
-        res = self._reservations(batch, max(8, B * self.decode_pages_per_row))
+        res = self._reservations(batch, self._decode_res_capacity(B))
         host_drafts = None
-        if self.spec.host_drafts:
+        if self.spec is not None and self.spec.host_drafts:
+            from jaxoverlap.speculative.step import HostDrafts
+
             t = time.perf_counter()
             tokens, counts = self.drafter.host.drafts([row.req for row in batch.rows], B)
             self.last_draft_s = time.perf_counter() - t
             host_drafts = HostDrafts(tokens, counts)
-        self.state, out = spec_decode_step(
-            self.params, self.drafter.params, self.state, entries, res, host_drafts,
-            cfg=self.model_cfg, spec=self.spec, ctx_len=self._ctx_len(batch), page_size=self.page_size,
-            attention=self.attention, sampling=batch_samples(batch),
-        )
+        step, args, static = self._decode_program(entries, res, host_drafts, self._ctx_len(batch), batch_samples(batch))
+        self.state, out = step(*args, **static)
         return out
+
+    def _decode_res_capacity(self, B: int) -> int:
+        return max(8, B * self.decode_pages_per_row)
+
+    def _decode_program(self, entries, res, host_drafts, ctx_len: int, sampling: bool):
+        """(jitted step, arguments, static arguments) of one decode launch. `launch` and
+        `precompile` both build their call here, so that they meet in one jit cache entry."""
+        static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
+                      sampling=sampling)
+        if self.spec is None:
+            return steps.decode_step, (self.params, self.state, entries, res), static
+        from jaxoverlap.speculative.step import spec_decode_step
+
+        return (spec_decode_step, (self.params, self.drafter.params, self.state, entries, res, host_drafts),
+                dict(static, spec=self.spec))
+
+    # -- ahead-of-time compilation -----------------------------------------------------------
+    def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int = 8) -> list[dict]:
+        """Compile the decode programs (plain or speculative) of these buckets before they
+        are needed: by default every batch bucket at every context bucket, greedy.
+
+        `threads` programs compile at once: XLA compiles outside the GIL, so on a machine
+        with many cores this divides the wall time. `jit(...).lower(...).compile()` leaves
+        the executable in jit's own cache, so the first launch of those shapes does not
+        compile again; with `compilation_cache_dir` set, a restarted process loads them
+        from disk instead of compiling. Returns one {batch, ctx_len, sampling, seconds}
+        per program."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        jobs = [(B, ctx, bool(s)) for B in (batch_sizes or self.batch_buckets)
+                for ctx in (ctx_lens or self.ctx_buckets) for s in sampling]
+
+        def compile_one(job):
+            B, ctx, s = job
+            cap = self._decode_res_capacity(B)
+            res = steps.Reservations(*(np.zeros((cap,), np.int32) for _ in range(3)))
+            host = None
+            if self.spec is not None and self.spec.host_drafts:
+                from jaxoverlap.speculative.step import HostDrafts
+
+                host = HostDrafts(np.zeros((B, self.spec.num_draft), np.int32), np.zeros((B,), np.int32))
+            t = time.perf_counter()
+            step, args, static = self._decode_program(np.zeros((B,), np.int32), res, host, ctx, s)
+            step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs, nothing is donated
+            return {"batch": B, "ctx_len": ctx, "sampling": s, "seconds": time.perf_counter() - t}
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            return list(pool.map(compile_one, jobs))
 
     def _launch_spec_prefill(self, batch: ScheduledBatch):
         from jaxoverlap.speculative.step import SpecPrefillInputs, spec_prefill_step

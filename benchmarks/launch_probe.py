@@ -1,0 +1,280 @@
+"""Why does the host spend ~2 ms inside the jitted decode call? (GPU diagnostics, issue 4.)
+
+For each XLA flag variant (one subprocess each, since XLA_FLAGS is read at backend start)
+this calls `steps.decode_step` directly on Qwen3-8B shapes with dummy weights and device
+inputs, and measures:
+
+- dispatch_ms: the time the jitted call takes to return while earlier steps still run;
+- period_ms: wall time per step of a run of async steps (the device-bound step time);
+- sync_ms: call plus wait, one step at a time (what the normal loop pays);
+- args_ms: the dispatch of a trivial jitted function over the same arguments (JAX's own
+  argument handling, without the step's kernels);
+- with --trace, a profiler trace of a few steps: device ops per step and the host-side
+  events that take the dispatch time.
+
+    python benchmarks/launch_probe.py --batches 1 32 --out launch.json --trace-dir $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_table  # noqa: E402
+
+VARIANTS = {
+    "default": "",
+    "cmdbuf_off": "--xla_gpu_enable_command_buffer=",
+    "cmdbuf_all_min1": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
+                       "--xla_gpu_graph_min_graph_size=1",
+    # XLA updates a recorded CUDA graph whenever a buffer address changed since the last run
+    # (the step's small inputs and outputs are new buffers every step). Newer XLA can keep
+    # stable virtual addresses instead (openxla/xla PRs 39393, 40173); the flag may be
+    # unknown to the installed jaxlib, and the variant then fails at start-up.
+    "update_free": "--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE",
+    "lib_update_free": "--xla_gpu_command_buffer_update_mode=CUSTOM_LIBRARY_UPDATE_FREE",
+    "va_remap": "--xla_gpu_enable_command_buffer_va_remapping=true",
+}
+
+
+def _trace_summary(trace_dir: str, steps: int) -> dict:
+    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        return {"error": "no trace file"}
+    ev = json.load(gzip.open(files[0]))
+    evs = ev["traceEvents"] if isinstance(ev, dict) else ev
+    procs = {e["pid"]: e["args"]["name"] for e in evs if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in evs
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    dev = [e for e in evs if e.get("ph") == "X" and "/device:GPU" in procs.get(e.get("pid"), "")]
+    host = [e for e in evs if e.get("ph") == "X" and "/device:GPU" not in procs.get(e.get("pid"), "")]
+    by_host = collections.Counter()
+    count_host = collections.Counter()
+    for e in host:
+        key = f"{threads.get((e['pid'], e['tid']), e['tid'])} | {e['name'][:80]}"
+        by_host[key] += e["dur"]
+        count_host[key] += 1
+    by_dev = collections.Counter()
+    for e in dev:
+        by_dev[e["name"][:80]] += e["dur"]
+    sample_args = [e.get("args", {}) for e in dev[:3]]
+    return {
+        "files": files,
+        "device_ops_per_step": len(dev) / steps,
+        "device_busy_us_per_step": sum(e["dur"] for e in dev) / steps,
+        "top_device_ops_us_per_step": {k: v / steps for k, v in by_dev.most_common(12)},
+        "top_host_events_us_per_step": {k: (v / steps, count_host[k] / steps) for k, v in by_host.most_common(25)},
+        "device_event_args_sample": sample_args,
+    }
+
+
+def stable_address_dispatch(r, B, kw, reset_lengths, iters) -> dict:
+    """Is the dispatch time the CUDA graph update that changed buffer addresses force?
+
+    The same decode step with its small inputs (entries, reservations) baked into the
+    program as constants, so that every argument is a buffer that stays put (the weights,
+    and the donated state, whose outputs alias it): once still returning the sampled tokens
+    (a new output buffer per step), once returning the state only."""
+    import jax
+    import numpy as np
+
+    from jaxoverlap import steps
+
+    ent = np.arange(1, B + 1, dtype=np.int32)
+    cap = max(8, B * r.decode_pages_per_row)
+    res = steps.Reservations(*(np.zeros(cap, np.int32) for _ in range(3)))
+
+    def inner(p, s):
+        return steps.decode_step(p, s, ent, res, **kw)
+
+    with_tokens = jax.jit(inner, donate_argnums=1)
+    state_only = jax.jit(lambda p, s: inner(p, s)[0], donate_argnums=1)
+    out = {}
+    for name, fn, returns_tokens in (("const_inputs", with_tokens, True), ("const_inputs_state_only", state_only, False)):
+        def call():
+            got = fn(r.params, r.state)
+            r.state = got[0] if returns_tokens else got
+
+        reset_lengths()
+        t = time.perf_counter()
+        call()
+        jax.block_until_ready(r.state.relay.seq_lens)
+        out[f"{name}_compile_s"] = time.perf_counter() - t
+        reset_lengths()
+        ts = []
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            t = time.perf_counter()
+            call()
+            ts.append(time.perf_counter() - t)
+        jax.block_until_ready(r.state.relay.seq_lens)
+        out[f"{name}_dispatch_ms"] = median(ts[2:]) * 1e3
+        out[f"{name}_period_ms"] = (time.perf_counter() - t0) / iters * 1e3
+    return out
+
+
+def child(args) -> dict:
+    ensure_importable()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxoverlap import steps
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+
+    max_b = max(args.batches)
+    engine = Engine(EngineConfig(
+        model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy",
+        dtype="float32" if args.tiny else "bfloat16", max_running_requests=max_b,
+        max_context_len=1024, kv_cache_tokens=max_b * 512, page_size=16, batch_buckets=tuple(sorted(args.batches)),
+        attention_backend=args.attention_backend, disable_prefix_cache=True,
+    ))
+    r = engine.runner
+    ps = r.page_size
+    out = {"variant": args.variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,
+           "attention": args.attention_backend, "rows": []}
+    stable_job = None
+    for B in args.batches:
+        pages_per_row = 256 // ps
+        cap = B * pages_per_row
+        entries = jax.device_put(np.arange(1, B + 1, dtype=np.int32))
+        ent_np = np.repeat(np.arange(1, B + 1, dtype=np.int32), pages_per_row)
+        res_full = jax.device_put(steps.Reservations(
+            entries=ent_np, page_index=np.tile(np.arange(pages_per_row, dtype=np.int32), B),
+            pages=np.arange(1, cap + 1, dtype=np.int32)))
+        res_none = jax.device_put(steps.Reservations(*(np.zeros(cap, np.int32) for _ in range(3))))
+        kw = dict(cfg=r.model_cfg, ctx_len=r.ctx_buckets[0], page_size=ps, attention=r.attention, sampling=False)
+
+        def reset_lengths():
+            relay = dataclasses.replace(r.state.relay, seq_lens=r.state.relay.seq_lens.at[1:B + 1].set(128))
+            r.state = dataclasses.replace(r.state, relay=relay)
+
+        t = time.perf_counter()
+        r.state, o = steps.decode_step(r.params, r.state, entries, res_full, **kw)
+        jax.block_until_ready(o.tokens)
+        compile_s = time.perf_counter() - t
+
+        def run_async(n):
+            ts = []
+            t0 = time.perf_counter()
+            for _ in range(n):
+                t = time.perf_counter()
+                r.state, o = steps.decode_step(r.params, r.state, entries, res_none, **kw)
+                ts.append(time.perf_counter() - t)
+            jax.block_until_ready(o.tokens)
+            return ts, (time.perf_counter() - t0) / n
+
+        reset_lengths()
+        run_async(5)
+        reset_lengths()
+        ts, period = run_async(args.iters)
+        sync = []
+        reset_lengths()
+        for _ in range(args.iters):
+            t = time.perf_counter()
+            r.state, o = steps.decode_step(r.params, r.state, entries, res_none, **kw)
+            jax.block_until_ready(o.tokens)
+            sync.append(time.perf_counter() - t)
+
+        trivial = jax.jit(lambda p, s, e, res: s.relay.seq_lens[e] + res.pages[0])
+        jax.block_until_ready(trivial(r.params, r.state, entries, res_none))
+        targs = []
+        for _ in range(30):
+            t = time.perf_counter()
+            y = trivial(r.params, r.state, entries, res_none)
+            targs.append(time.perf_counter() - t)
+        jax.block_until_ready(y)
+
+        # Same greedy tokens in every variant, or the variant is wrong, not just fast.
+        checksum = int(np.asarray(o.tokens, np.int64).sum())
+        row = {"batch": B, "compile_s": compile_s, "tokens_checksum": checksum, "dispatch_ms": median(ts[2:]) * 1e3, "period_ms": period * 1e3,
+               "sync_ms": median(sync[2:]) * 1e3, "args_ms": median(targs[3:]) * 1e3}
+        if args.variant == "default" and B == args.batches[0] and not args.no_stable:
+            # Run last: its extra steps write the cache, and the checksums of the other
+            # batches must not depend on whether it ran.
+            stable_job = (row, B, kw, reset_lengths)
+        if args.trace_dir and B == args.batches[0]:
+            d = tempfile.mkdtemp()
+            reset_lengths()
+            n = 6
+            jax.profiler.start_trace(d, create_perfetto_trace=True)
+            for _ in range(n):
+                r.state, o = steps.decode_step(r.params, r.state, entries, res_none, **kw)
+            jax.block_until_ready(o.tokens)
+            jax.profiler.stop_trace()
+            row["trace"] = _trace_summary(d, n)
+            for f in glob.glob(os.path.join(d, "**", "*.json.gz"), recursive=True):
+                kind = "perfetto" if "perfetto" in os.path.basename(f) else "trace"
+                dst = os.path.join(args.trace_dir, f"launch_{kind}_{args.variant}_{args.attention_backend}_b{B}.json.gz")
+                shutil.copy(f, dst)
+        out["rows"].append(row)
+        print(json.dumps(row)[:3000], flush=True)
+    if stable_job is not None:
+        row, B, kw, reset_lengths = stable_job
+        row.update(stable_address_dispatch(r, B, kw, reset_lengths, args.iters))
+        print(json.dumps(row)[:3000], flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--trace-dir", default=None)
+    ap.add_argument("--timeout-s", type=int, default=150, help="per variant")
+    ap.add_argument("--out", default="launch.json")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    ap.add_argument("--no-stable", action="store_true", help="skip the constant-input programs (two compilations)")
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--variant", default="default")
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return
+    results = []
+    for name in args.variants:
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip())
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", name, "--iters", str(args.iters),
+               "--attention-backend", args.attention_backend, "--batches", *map(str, args.batches)]
+        if args.trace_dir:
+            cmd += ["--trace-dir", args.trace_dir]
+        if args.tiny:
+            cmd.append("--tiny")
+        if args.no_stable:
+            cmd.append("--no-stable")
+        print(f"== {name}: XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+            lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+            if lines:
+                results.append(json.loads(lines[-1][7:]))
+            else:
+                results.append({"variant": name, "error": p.stderr[-3000:]})
+            print(p.stdout[-4000:], p.stderr[-1500:] if p.returncode else "", flush=True)
+        except subprocess.TimeoutExpired as e:
+            results.append({"variant": name, "error": f"timeout after {args.timeout_s}s"})
+            print((e.stdout or b"")[-3000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-3000:], flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    table = [dict(variant=res["variant"], **{k: v for k, v in row.items() if k != "trace"})
+             for res in results for row in res.get("rows", [])]
+    if table:
+        print_table(table, ["variant", "batch", "compile_s", "dispatch_ms", "period_ms", "sync_ms", "args_ms",
+                            "tokens_checksum", "const_inputs_dispatch_ms", "const_inputs_state_only_dispatch_ms"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Engine.warmup compiles the decode programs ahead of use: the first launches of those
+shapes then compile nothing, for plain decoding and for a speculative drafter."""
+import jax
+import pytest
+
+from engine_fixtures import make_engine, run_workload, tiny_config
+from jaxoverlap.sampling_params import SamplingParams
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while installed (jax.monitoring has no unregister,
+    so the listener stays and only counts while `active`)."""
+
+    def __init__(self):
+        self.active, self.count = False, 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, name, _secs, **_):
+        if self.active and name == COMPILE_EVENT:
+            self.count += 1
+
+
+COUNTER = CompileCounter()
+
+
+@pytest.mark.parametrize("algo", [None, "ngram"])
+def test_warmup_leaves_nothing_to_compile(algo):
+    opts = dict(batch_buckets=(4,), max_context_len=64, disable_prefix_cache=True)
+    if algo:
+        opts["speculative_algorithm"] = algo
+    eng = make_engine(**opts)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    # Prefill programs are not part of the warm-up: a first run of the same prompts compiles
+    # the one they use. One new token each, in the normal loop, so that run launches no
+    # decode step (the overlap loop would launch one before it sees the requests finish).
+    eng.set_overlap(False)
+    first = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    run_workload(eng, {0: [(f"w{i}", [5, 6, 7, 8, 9], first) for i in range(3)]})
+    eng.set_overlap(True)
+    assert not any(t.kind == "decode" for t in eng.timings)
+    report = eng.warmup()
+    r = eng.runner
+    assert {(x["batch"], x["ctx_len"]) for x in report} == {(b, c) for b in r.batch_buckets for c in r.ctx_buckets}
+    assert len(report) >= 2 and all(x["seconds"] > 0 for x in report)
+    COUNTER.active, COUNTER.count = True, 0
+    try:
+        finals = run_workload(eng, {0: [(f"r{i}", [5, 6, 7, 8, 9], params) for i in range(3)]})
+    finally:
+        COUNTER.active = False
+    assert all(len(f.token_ids) == 6 for f in finals.values())
+    assert COUNTER.count == 0, f"{COUNTER.count} programs compiled after the warm-up"
+
+
+def test_the_check_can_fail():
+    """Without the warm-up, a new decode bucket compiles on first use: the counter sees it."""
+    # A model shape no other test uses, so jit's in-process cache cannot hold its programs.
+    eng = make_engine(tiny_config(hidden_size=48), batch_buckets=(2,), max_context_len=64, disable_prefix_cache=True)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    COUNTER.active, COUNTER.count = True, 0
+    try:
+        run_workload(eng, {0: [("a", [1, 2, 3], params)]})
+    finally:
+        COUNTER.active = False
+    assert COUNTER.count > 0
