@@ -33,7 +33,7 @@ def device_step_ms(engine, batch_size: int, iters: int) -> float:
     entries = np.zeros((batch_size,), np.int32)
     entries[:] = np.arange(1, batch_size + 1)
     cap = max(8, batch_size * r.decode_pages_per_row)
-    res = steps.Reservations(np.zeros(cap, np.int32), np.zeros(cap, np.int32), np.zeros(cap, np.int32))
+    res = steps.Reservations.empty(cap)
     ctx = r.ctx_buckets[0] if len(r.ctx_buckets) == 1 else r.ctx_buckets[1]
 
     def call():

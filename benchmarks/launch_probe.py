@@ -92,7 +92,7 @@ def stable_address_dispatch(r, B, kw, reset_lengths, iters) -> dict:
 
     ent = np.arange(1, B + 1, dtype=np.int32)
     cap = max(8, B * r.decode_pages_per_row)
-    res = steps.Reservations(*(np.zeros(cap, np.int32) for _ in range(3)))
+    res = steps.Reservations.empty(cap)
 
     def inner(p, s):
         return steps.decode_step(p, s, ent, res, **kw)
@@ -150,10 +150,9 @@ def child(args) -> dict:
         cap = B * pages_per_row
         entries = jax.device_put(np.arange(1, B + 1, dtype=np.int32))
         ent_np = np.repeat(np.arange(1, B + 1, dtype=np.int32), pages_per_row)
-        res_full = jax.device_put(steps.Reservations(
-            entries=ent_np, page_index=np.tile(np.arange(pages_per_row, dtype=np.int32), B),
-            pages=np.arange(1, cap + 1, dtype=np.int32)))
-        res_none = jax.device_put(steps.Reservations(*(np.zeros(cap, np.int32) for _ in range(3))))
+        res_full = jax.device_put(steps.Reservations.of(
+            ent_np, np.tile(np.arange(pages_per_row, dtype=np.int32), B), np.arange(1, cap + 1, dtype=np.int32)))
+        res_none = jax.device_put(steps.Reservations.empty(cap))
         kw = dict(cfg=r.model_cfg, ctx_len=r.ctx_buckets[0], page_size=ps, attention=r.attention, sampling=False)
 
         def reset_lengths():

@@ -117,7 +117,7 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
     r = engine.runner
     entries = np.arange(1, batch_size + 1, dtype=np.int32)
     cap = max(8, batch_size * r.decode_pages_per_row)
-    res = steps.Reservations(np.zeros(cap, np.int32), np.zeros(cap, np.int32), np.zeros(cap, np.int32))
+    res = steps.Reservations.empty(cap)
 
     def reset():
         relay = r.state.relay

@@ -155,12 +155,17 @@ class Engine:
             state = parallel.shard_state(state, self.mesh)
             if self.drafter is not None:
                 self.drafter.params = parallel.replicate(self.drafter.params, self.mesh)
+        attention = self._attention_fn()  # None: the XLA gather path
         self.runner = ModelRunner(
             params, mc, state, page_size=ps, max_running=config.max_running_requests,
             max_prefill_requests=config.max_prefill_requests, chunked_prefill_size=config.chunked_prefill_size,
-            table_width=table_width, batch_buckets=config.batch_buckets, attention=self._attention_fn(),
-            drafter=self.drafter,
+            table_width=table_width, batch_buckets=config.batch_buckets, attention=attention,
+            drafter=self.drafter, attention_is_length_adaptive=attention is not None,  # the Pallas kernels
         )
+        if self.mesh is not None:
+            from jaxoverlap import parallel
+
+            self.runner.inputs.sharding = parallel.replicated(self.mesh)
         self.requests: dict[str, Request] = {}
         self._inflight: LaunchedStep | None = None
         self._seed_rng = random.Random(config.seed)

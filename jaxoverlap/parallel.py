@@ -82,6 +82,11 @@ def shard_params(params: ModelParams, mesh: Mesh, cfg: ModelConfig | None = None
     )
 
 
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding of an array that every device of `mesh` holds whole."""
+    return NamedSharding(mesh, P())
+
+
 def replicate(tree, mesh: Mesh):
     return jax.tree.map(lambda x: _put(x, mesh, None), tree)
 

@@ -13,6 +13,7 @@ before `launch`, in the engine loop, where it is explicit and timed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -57,6 +58,39 @@ def _sampling_arrays(batch: ScheduledBatch, num_rows: int):
     return temperature, top_k, top_p, min_p, seed
 
 
+class DeviceInputs:
+    """The decode step's small inputs (entries, reservations) as device arrays, sent again
+    only when their content changed since the last step of the same shape.
+
+    Measured on the H200 (benchmarks/RESULTS.md, launch breakdown): a jitted call whose
+    small arguments are fresh host arrays takes 1.3-1.7 ms to return, against 0.4 ms when
+    they are device arrays that already exist; in steady decoding the entries stay the
+    same and most steps reserve no page, so most steps send nothing. Reusing an input is
+    safe because inputs are never donated, and a reused array holds exactly the content
+    the host built for this step.
+    """
+
+    def __init__(self, sharding=None):
+        self.sharding = sharding  # replicated over the mesh under tensor parallelism
+        self._last: dict[tuple, tuple[np.ndarray, object]] = {}
+        self.sent = self.reused = 0
+
+    def put(self, name: str, arr: np.ndarray):
+        import jax
+
+        key = (name, arr.shape)
+        hit = self._last.get(key)
+        if hit is not None and np.array_equal(hit[0], arr):
+            self.reused += 1
+            return hit[1]
+        # A private copy: on CPU device_put may alias host memory, and the caller owns `arr`.
+        own = arr.copy()
+        dev = jax.device_put(own, self.sharding)
+        self._last[key] = (own, dev)
+        self.sent += 1
+        return dev
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -72,11 +106,13 @@ class ModelRunner:
         batch_buckets: tuple[int, ...] | None = None,
         attention=None,
         drafter=None,
+        attention_is_length_adaptive: bool = False,
     ):
         self.params = params
         self.drafter = drafter  # speculative.setup.Drafter or None
         self.spec = drafter.spec if drafter is not None else None
         self.last_draft_s = 0.0  # host drafting time of the last launch (host n-gram)
+        self.inputs = DeviceInputs()  # the engine sets its sharding under tensor parallelism
         self.model_cfg = model_cfg
         self.state = state
         self.page_size = page_size
@@ -88,6 +124,13 @@ class ModelRunner:
         self.prefill_row_buckets = powers_of_two_up_to(max_prefill_requests)
         self.prefill_len_buckets = powers_of_two_up_to(chunked_prefill_size, start=min(16, chunked_prefill_size))
         self.ctx_buckets = powers_of_two_up_to(table_width, start=min(table_width, max(64, page_size)))
+        # Decode programs need a context bucket only where attention's cost follows the
+        # static ctx_len (the XLA gather path reads ctx_len slots per row). The Pallas
+        # kernels walk each row's visible pages only, so one program per batch bucket
+        # serves every length: 7x fewer programs to compile for a 4k table (cold compile
+        # 119 s -> 27 s on the H200). Measured cost: batch 1 steps at short contexts +5%
+        # (empty splits), batch 32 none (benchmarks/RESULTS.md).
+        self.decode_ctx_buckets = (table_width,) if attention_is_length_adaptive else self.ctx_buckets
         # A decode step reserves at most this many pages per row (two windows plus the
         # drafter's lookahead, plus rounding), so its reservation arrays have a fixed size
         # per batch bucket.
@@ -101,10 +144,11 @@ class ModelRunner:
         arr = np.zeros((3, capacity), np.int32)  # padded with (entry 0, block 0, page 0)
         if n:
             arr[:, :n] = np.asarray(batch.reservations, np.int32).T
-        return steps.Reservations(entries=arr[0], page_index=arr[1], pages=arr[2])
+        return steps.Reservations(arr)
 
     def _ctx_len(self, batch: ScheduledBatch) -> int:
-        return pick(self.ctx_buckets, min(batch.ctx_len, self.table_width))
+        buckets = self.decode_ctx_buckets if batch.kind == "decode" else self.ctx_buckets
+        return pick(buckets, min(batch.ctx_len, self.table_width))
 
     # -- launch -----------------------------------------------------------------------------
     def needs_host_results(self, batch: ScheduledBatch) -> bool:
@@ -137,6 +181,8 @@ class ModelRunner:
             tokens, counts = self.drafter.host.drafts([row.req for row in batch.rows], B)
             self.last_draft_s = time.perf_counter() - t
             host_drafts = HostDrafts(tokens, counts)
+        entries = self.inputs.put("entries", entries)
+        res = steps.Reservations(self.inputs.put("reservations", res.table))
         step, args, static = self._decode_program(entries, res, host_drafts, self._ctx_len(batch), batch_samples(batch))
         self.state, out = step(*args, **static)
         return out
@@ -159,7 +205,7 @@ class ModelRunner:
     # -- ahead-of-time compilation -----------------------------------------------------------
     def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int = 8) -> list[dict]:
         """Compile the decode programs (plain or speculative) of these buckets before they
-        are needed: by default every batch bucket at every context bucket, greedy.
+        are needed: by default every batch bucket at every decode context bucket, greedy.
 
         `threads` programs compile at once: XLA compiles outside the GIL, so on a machine
         with many cores this divides the wall time. `jit(...).lower(...).compile()` leaves
@@ -169,20 +215,25 @@ class ModelRunner:
         per program."""
         from concurrent.futures import ThreadPoolExecutor
 
+        import jax
+
         jobs = [(B, ctx, bool(s)) for B in (batch_sizes or self.batch_buckets)
-                for ctx in (ctx_lens or self.ctx_buckets) for s in sampling]
+                for ctx in (ctx_lens or self.decode_ctx_buckets) for s in sampling]
 
         def compile_one(job):
             B, ctx, s = job
             cap = self._decode_res_capacity(B)
-            res = steps.Reservations(*(np.zeros((cap,), np.int32) for _ in range(3)))
+            res = steps.Reservations.empty(cap)
             host = None
             if self.spec is not None and self.spec.host_drafts:
                 from jaxoverlap.speculative.step import HostDrafts
 
                 host = HostDrafts(np.zeros((B, self.spec.num_draft), np.int32), np.zeros((B,), np.int32))
+            # Placed as launch places them (DeviceInputs), so that both meet in one cache entry.
+            put = functools.partial(jax.device_put, device=self.inputs.sharding)
             t = time.perf_counter()
-            step, args, static = self._decode_program(np.zeros((B,), np.int32), res, host, ctx, s)
+            step, args, static = self._decode_program(put(np.zeros((B,), np.int32)), steps.Reservations(put(res.table)),
+                                                      host, ctx, s)
             step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs, nothing is donated
             return {"batch": B, "ctx_len": ctx, "sampling": s, "seconds": time.perf_counter() - t}
 

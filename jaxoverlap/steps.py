@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxoverlap.device_state import DeviceState, Relay
 from jaxoverlap.models.config import ModelConfig
@@ -35,13 +36,33 @@ class StepOutput:
 class Reservations:
     """New pages for req_to_token: position block `page_index` of row `entry` gets `page`.
 
-    Padded to a fixed capacity with (entry 0, block 0, page 0), which rewrites the dummy
-    row with the dummy page: harmless.
+    One [3, N] int32 array (entries; page indices; pages), so that the host sends one
+    buffer per step, or none when it is unchanged (runner.DeviceInputs). Padded to a fixed
+    capacity with (entry 0, block 0, page 0), which rewrites the dummy row with the dummy
+    page: harmless.
     """
 
-    entries: jax.Array  # [N] int32
-    page_index: jax.Array  # [N] int32
-    pages: jax.Array  # [N] int32
+    table: jax.Array  # [3, N] int32
+
+    @classmethod
+    def of(cls, entries, page_index, pages) -> "Reservations":
+        return cls(np.stack([np.asarray(entries), np.asarray(page_index), np.asarray(pages)]).astype(np.int32))
+
+    @classmethod
+    def empty(cls, capacity: int) -> "Reservations":
+        return cls(np.zeros((3, capacity), np.int32))
+
+    @property
+    def entries(self) -> jax.Array:  # [N]
+        return self.table[0]
+
+    @property
+    def page_index(self) -> jax.Array:  # [N]
+        return self.table[1]
+
+    @property
+    def pages(self) -> jax.Array:  # [N]
+        return self.table[2]
 
 
 def apply_reservations(req_to_token: jax.Array, res: Reservations, page_size: int) -> jax.Array:

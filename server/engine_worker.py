@@ -75,15 +75,17 @@ class EngineWorker:
 
     `warmup` (True or a SamplingParams-like max_new_tokens count) runs one short request through
     the engine before `start()` returns, so that the first client does not pay for compilation.
+    `precompile` also compiles every decode batch bucket (Engine.warmup) before then.
     """
 
     def __init__(self, engine=None, *, engine_factory: Callable[[], Any] | None = None, warmup: bool = False,
-                 name: str = "jaxoverlap-engine"):
+                 precompile: bool = False, name: str = "jaxoverlap-engine"):
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine and engine_factory")
         self._engine = engine
         self._factory = engine_factory
         self._warmup = warmup
+        self._precompile = precompile  # Engine.warmup(): every decode batch bucket, before serving
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request_id -> (loop, sink); touched only on the worker thread.
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}
@@ -182,6 +184,10 @@ class EngineWorker:
                 self._engine = self._factory()
             if self._warmup:
                 self._run_warmup()
+            if self._precompile:
+                t = time.perf_counter()
+                n = len(self._engine.warmup())
+                logger.info("compiled %d decode programs in %.1f s", n, time.perf_counter() - t)
         except BaseException as e:  # noqa: BLE001 - reported to start()
             self._start_error = e
             self._ready.set()

@@ -100,8 +100,7 @@ def test_padded_rows_never_touch_real_rows():
     state = init_device_state(num_layers=cfg.num_layers, num_slots=16 * ps, num_kv_heads=cfg.num_kv_heads,
                               head_dim=cfg.head_dim, dtype=jnp.float32, num_entries=5, table_width=width)
     # Prefill entries 1 and 2 (pages 1-2 and 3-4).
-    res = steps.Reservations(np.array([1, 1, 2, 2], np.int32), np.array([0, 1, 0, 1], np.int32),
-                             np.array([1, 2, 3, 4], np.int32))
+    res = steps.Reservations.of([1, 1, 2, 2], [0, 1, 0, 1], [1, 2, 3, 4])
     inp = steps.PrefillInputs(
         tokens=np.array([[3, 4, 5, 0], [7, 8, 9, 10]], np.int32), starts=np.zeros(2, np.int32),
         chunk_lens=np.array([3, 4], np.int32), entries=np.array([1, 2], np.int32),
@@ -109,7 +108,7 @@ def test_padded_rows_never_touch_real_rows():
         min_p=np.zeros(2, np.float32), seed=np.zeros(2, np.uint32))
     kw = dict(cfg=cfg, ctx_len=width, page_size=ps)
     state, _ = steps.prefill_step(params, state, inp, res, **kw)
-    empty = steps.Reservations(*(np.zeros(8, np.int32) for _ in range(3)))
+    empty = steps.Reservations.empty(8)
 
     def copy(s):
         return jax.tree.map(lambda x: jnp.array(x, copy=True), s)
@@ -126,3 +125,20 @@ def test_padded_rows_never_touch_real_rows():
         np.testing.assert_array_equal(x[1:], y[1:], err_msg=f.name)
     np.testing.assert_array_equal(np.asarray(a.req_to_token), np.asarray(b.req_to_token))
     assert int(np.asarray(b.relay.seq_lens)[0]) == 0
+
+
+def test_device_inputs_are_sent_only_when_they_change():
+    from jaxoverlap.runner import DeviceInputs
+
+    inputs = DeviceInputs()
+    a = np.array([1, 2, 0, 0], np.int32)
+    first = inputs.put("entries", a)
+    a[1] = 5  # the caller's array changes after the put: the cache kept its own copy
+    second = inputs.put("entries", a)
+    third = inputs.put("entries", np.array([1, 5, 0, 0], np.int32))
+    assert second is not first and third is second
+    np.testing.assert_array_equal(np.asarray(second), [1, 5, 0, 0])
+    np.testing.assert_array_equal(np.asarray(first), [1, 2, 0, 0])
+    other_shape = inputs.put("entries", np.array([1, 5], np.int32))
+    assert other_shape is not third
+    assert (inputs.sent, inputs.reused) == (3, 1)

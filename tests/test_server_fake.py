@@ -470,3 +470,18 @@ def test_auth_token_file(tmp_path):
     ns = argparse.Namespace(auth_token=None, auth_token_file=str(path))
     assert cli_commands._read_token(ns) == "abc"
     assert os.path.exists(path)
+
+
+def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
+    engine = _fake()
+    seen = []
+    engine.warmup = lambda: seen.append(threading.current_thread().name) or [{"batch": 1}]
+    worker = EngineWorker(engine, precompile=True, name="engine-thread-under-test").start()
+    try:
+        assert seen == ["engine-thread-under-test"]
+    finally:
+        worker.stop()
+    plain = _fake()
+    plain.warmup = lambda: seen.append("unexpected") or []
+    EngineWorker(plain).start().stop()
+    assert seen == ["engine-thread-under-test"]

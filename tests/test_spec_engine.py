@@ -182,7 +182,7 @@ def test_padded_rows_never_touch_real_rows(name):
         eng.step()
     r = eng.runner
     e1, e2 = (req.entry for req in eng.requests.values())
-    empty = steps.Reservations(*(np.zeros(8 * r.decode_pages_per_row, np.int32) for _ in range(3)))
+    empty = steps.Reservations.empty(8 * r.decode_pages_per_row)
 
     def run(entries):
         state = jax.tree.map(lambda x: jnp.array(x, copy=True), r.state)
