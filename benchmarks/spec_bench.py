@@ -44,7 +44,7 @@ def make_engine(args, algo, model_path, cfg, params):
         model=model_path, load_format="dummy", dtype=args.dtype, max_running_requests=max_b, max_context_len=ctx,
         kv_cache_tokens=max_b * ctx, chunked_prefill_size=1024, max_prefill_requests=8, page_size=16,
         batch_buckets=tuple(sorted(args.batches)), attention_backend=args.attention_backend,
-        compilation_cache_dir=args.compilation_cache_dir, **spec,
+        compilation_cache_dir=args.compilation_cache_dir, disable_prefix_cache=not args.enable_prefix_cache, **spec,
     ), model_config=cfg, params=params)
 
 
@@ -165,6 +165,8 @@ def main():
     ap.add_argument("--num-steps", type=int, default=3, help="draft tokens per step (window = 1 + this)")
     ap.add_argument("--prompt-len", type=int, default=127)
     ap.add_argument("--prompt-kind", choices=("random", "repeat"), default="repeat")
+    ap.add_argument("--enable-prefix-cache", action="store_true",
+                    help="keep the prefix cache on (the overlap-off run then reuses the first run's pages)")
     ap.add_argument("--new-tokens", type=int, default=120)
     ap.add_argument("--max-context-len", type=int, default=512)
     ap.add_argument("--device-iters", type=int, default=30)

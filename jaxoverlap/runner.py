@@ -62,12 +62,13 @@ class DeviceInputs:
     """The decode step's small inputs (entries, reservations) as device arrays, sent again
     only when their content changed since the last step of the same shape.
 
-    Measured on the H200 (benchmarks/RESULTS.md, launch breakdown): a jitted call whose
-    small arguments are fresh host arrays takes 1.3-1.7 ms to return, against 0.4 ms when
-    they are device arrays that already exist; in steady decoding the entries stay the
-    same and most steps reserve no page, so most steps send nothing. Reusing an input is
-    safe because inputs are never donated, and a reused array holds exactly the content
-    the host built for this step.
+    In steady decoding the entries do not change and most steps reserve no page, so most
+    steps send nothing (H200, batch 1: 5 transfers for 96 inputs). Measured there
+    (benchmarks/RESULTS.md), this did not shorten the launch itself (1.52 ms before and
+    after at batch 1): the host-to-device copies are not where the launch time goes.
+    It is kept because it removes per-step transfers at no cost. Reusing an input is safe
+    because inputs are never donated, and a reused array holds exactly the content the
+    host built for this step.
     """
 
     def __init__(self, sharding=None):
