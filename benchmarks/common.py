@@ -71,6 +71,17 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> float:
     return 2 * nbytes / dt / 1e9
 
 
+def git_commit() -> str:
+    """The short commit of the checkout, or "" outside git. (On the lent GPU the copied
+    `.git` can be stale: RESULTS.md names the commit of the tree that ran.)"""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, ensure_importable, model_dir, print_table  # noqa: E402
+from common import QWEN3_8B, TINY, git_commit, ensure_importable, model_dir, print_table  # noqa: E402
 
 
 
@@ -93,10 +93,7 @@ def main():
             if rows:
                 rows[-1]["cache_mb"] = size / 1e6
     shutil.rmtree(cache, ignore_errors=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_commit()
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "commit": commit, "python": platform.python_version(), "rows": rows,
                    "errors": errors}, f, indent=1)

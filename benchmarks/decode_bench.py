@@ -11,12 +11,11 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, copy_bandwidth_gbs, ensure_importable, median, model_dir, print_table  # noqa: E402
+from common import QWEN3_8B, TINY, git_commit, copy_bandwidth_gbs, ensure_importable, median, model_dir, print_table  # noqa: E402
 
 
 
@@ -165,10 +164,7 @@ def write_json(args, bw, weight_bytes, floor_ms, rows) -> None:
     """Written after every row, so a run cut short keeps what it measured."""
     import jax
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_commit()
     with open(args.out, "w") as f:
         json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
                    "commit": commit, "copy_bandwidth_gbs": bw, "weight_bytes": weight_bytes, "floor_ms": floor_ms,

@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, ensure_importable, model_dir, print_table  # noqa: E402
+from common import QWEN3_8B, TINY, git_commit, ensure_importable, model_dir, print_table  # noqa: E402
 
 
 
@@ -138,10 +138,7 @@ def main():
         if ours and hf:
             ratio.append({"batch": B, "ours_tok_s": ours[0]["tok_s"], "hf_tok_s": hf[0]["tok_s"],
                           "speedup": ours[0]["tok_s"] / hf[0]["tok_s"]})
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_commit()
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "commit": commit, "python": platform.python_version(), "rows": rows,
                    "speedup": ratio, "errors": errors}, f, indent=1)

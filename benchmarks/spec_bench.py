@@ -23,12 +23,11 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_table  # noqa: E402
+from common import QWEN3_8B, TINY, git_commit, ensure_importable, median, model_dir, print_table  # noqa: E402
 
 ALGOS = ("plain", "eagle", "ngram", "ngram_device")
 
@@ -196,10 +195,7 @@ def main():
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     print(f"device {jax.devices()[0].device_kind}; weights {weight_bytes / 1e9:.2f} GB in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_commit()
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
             "commit": commit, "weight_bytes": weight_bytes, "args": vars(args)}
     rows, plain_ms = [], {}
