@@ -20,6 +20,12 @@ STEP_COLORS = ("tab:purple", "tab:olive", "tab:cyan")
 MODE_LABEL = {"overlap": "overlap", "normal": "no overlap"}
 
 
+def _save(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _timeline_axes(ax, mode: str, timeline: dict, device: dict) -> None:
     rows = ["device", "prepare", "launch", "wait", "process"]
     y = {r: len(rows) - 1 - i for i, r in enumerate(rows)}  # device on top
@@ -59,9 +65,7 @@ def timeline(batch: dict, path: str) -> None:
         _timeline_axes(ax, mode, m["timeline"], m["device"])
     axes[-1].set_xlabel("ms (from the first step's prepare)")
     fig.suptitle(f"three consecutive decode steps, batch {batch['batch_size']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def host_time(report: dict, path: str) -> None:
@@ -85,9 +89,7 @@ def host_time(report: dict, path: str) -> None:
     ax.set_ylabel("ms per decode step (medians)")
     ax.set_title("host time per step vs device step time", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def throughput(report: dict, path: str) -> None:
@@ -106,9 +108,7 @@ def throughput(report: dict, path: str) -> None:
     ax.set_ylabel("tokens/s (prompts included)")
     ax.set_title("throughput with and without overlap", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_all(report: dict, out_dir: str) -> list[str]:
