@@ -98,6 +98,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device-iters", type=int, default=50)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=["default", "fused", "unfused"],
+                    help="decode kernels, each compared in the same run: the engine's default, or the Pallas "
+                         "fused decode kernel on (fused) or off (unfused)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()
@@ -127,37 +130,52 @@ def main():
 
     rows = []
     for B in args.batches:
-        tc = time.perf_counter()
-        run_workload(engine, B, args.prompt_len, 4, seed=99)  # compile this batch's programs
-        compile_s = time.perf_counter() - tc
-        dev_ms = device_step_ms(engine, B, args.device_iters)
-        res = {}
-        for overlap in (True, False):
-            engine.set_overlap(overlap)
-            res[overlap] = run_workload(engine, B, args.prompt_len, args.new_tokens, seed=B)
-        engine.set_overlap(True)
-        same = res[True].pop("outputs") == res[False].pop("outputs")
-        rows.append({
-            "batch": B, "compile_s": compile_s, "device_step_ms": dev_ms, "floor_ms": floor_ms,
-            "step_over_floor": dev_ms / floor_ms,
-            "overlap_period_ms": res[True]["step_period_ms"], "normal_period_ms": res[False]["step_period_ms"],
-            "overlap_tok_s": res[True]["decode_tok_s"], "normal_tok_s": res[False]["decode_tok_s"],
-            "overlap_gain": res[True]["decode_tok_s"] / res[False]["decode_tok_s"] - 1,
-            "overlap_e2e_tok_s": res[True]["e2e_tok_s"], "normal_e2e_tok_s": res[False]["e2e_tok_s"],
-            "host_prepare_ms": res[True]["host_prepare_ms"], "host_launch_ms": res[True]["host_launch_ms"],
-            "host_process_ms": res[True]["host_process_ms"], "host_total_ms": res[True]["host_total_ms"],
-            "normal_host_total_ms": res[False]["host_total_ms"], "normal_wait_ms": res[False]["wait_ms"],
-            "greedy_identical": same, "detail": res,
-        })
-        write_json(args, bw, weight_bytes, floor_ms, rows)
-        print_table(rows[-1:], ["batch", "device_step_ms", "step_over_floor", "overlap_period_ms", "normal_period_ms",
-                                "overlap_gain", "host_prepare_ms", "host_launch_ms", "host_process_ms",
-                                "greedy_identical"])
+        first_outputs = None
+        for variant in args.variants:
+            if variant != "default":
+                engine.set_fused_decode(variant == "fused")
+            tc = time.perf_counter()
+            run_workload(engine, B, args.prompt_len, 4, seed=99)  # compile this batch's (and variant's) programs
+            compile_s = time.perf_counter() - tc
+            dev_ms = device_step_ms(engine, B, args.device_iters)
+            res = {}
+            for overlap in (True, False):
+                engine.set_overlap(overlap)
+                res[overlap] = run_workload(engine, B, args.prompt_len, args.new_tokens, seed=B)
+            engine.set_overlap(True)
+            if first_outputs is None:
+                first_outputs = res[True]["outputs"]
+            # bf16: another kernel may round differently, so report how many tokens agree.
+            same_tokens = sum(a == b for k, v in res[True]["outputs"].items() for a, b in zip(v, first_outputs[k]))
+            rows.append(make_row(B, variant, compile_s, dev_ms, floor_ms, res))
+            rows[-1]["tokens_as_first_variant"] = same_tokens / max(1, sum(len(v) for v in first_outputs.values()))
+            write_json(args, bw, weight_bytes, floor_ms, rows)
+            print_table(rows[-1:], ["batch", "variant", "device_step_ms", "step_over_floor", "overlap_period_ms",
+                                    "normal_period_ms", "overlap_gain", "host_prepare_ms", "host_launch_ms",
+                                    "host_process_ms", "greedy_identical", "tokens_as_first_variant"])
     print("\nsummary")
-    print_table(rows, ["batch", "compile_s", "device_step_ms", "floor_ms", "step_over_floor", "overlap_period_ms",
-                       "normal_period_ms", "overlap_tok_s", "normal_tok_s", "overlap_gain", "host_prepare_ms",
-                       "host_launch_ms", "host_process_ms", "host_total_ms", "greedy_identical"])
+    print_table(rows, ["batch", "variant", "compile_s", "device_step_ms", "floor_ms", "step_over_floor",
+                       "overlap_period_ms", "normal_period_ms", "overlap_tok_s", "normal_tok_s", "overlap_gain",
+                       "host_prepare_ms", "host_launch_ms", "host_process_ms", "host_total_ms", "greedy_identical",
+                       "tokens_as_first_variant"])
     print(f"wrote {args.out}")
+
+
+def make_row(B, variant, compile_s, dev_ms, floor_ms, res) -> dict:
+    """One table row from the overlap (res[True]) and normal (res[False]) runs of a batch."""
+    same = res[True].pop("outputs") == res[False].pop("outputs")
+    return {
+        "batch": B, "variant": variant, "compile_s": compile_s, "device_step_ms": dev_ms, "floor_ms": floor_ms,
+        "step_over_floor": dev_ms / floor_ms,
+        "overlap_period_ms": res[True]["step_period_ms"], "normal_period_ms": res[False]["step_period_ms"],
+        "overlap_tok_s": res[True]["decode_tok_s"], "normal_tok_s": res[False]["decode_tok_s"],
+        "overlap_gain": res[True]["decode_tok_s"] / res[False]["decode_tok_s"] - 1,
+        "overlap_e2e_tok_s": res[True]["e2e_tok_s"], "normal_e2e_tok_s": res[False]["e2e_tok_s"],
+        "host_prepare_ms": res[True]["host_prepare_ms"], "host_launch_ms": res[True]["host_launch_ms"],
+        "host_process_ms": res[True]["host_process_ms"], "host_total_ms": res[True]["host_total_ms"],
+        "normal_host_total_ms": res[False]["host_total_ms"], "normal_wait_ms": res[False]["wait_ms"],
+        "greedy_identical": same, "detail": res,
+    }
 
 
 def write_json(args, bw, weight_bytes, floor_ms, rows) -> None:

@@ -65,14 +65,26 @@ def _trace_summary(trace_dir: str, steps: int) -> dict:
         by_host[key] += e["dur"]
         count_host[key] += 1
     by_dev = collections.Counter()
+    count_dev = collections.Counter()
     for e in dev:
         by_dev[e["name"][:80]] += e["dur"]
+        count_dev[e["name"][:80]] += 1
+    # Idle device time: the gaps between one kernel's end and the next one's start (over the
+    # union of the device streams), which is where a step of many small kernels loses time.
+    idle, end = 0.0, None
+    for e in sorted(dev, key=lambda e: e["ts"]):
+        if end is not None and e["ts"] > end:
+            idle += e["ts"] - end
+        end = max(end or 0.0, e["ts"] + e["dur"])
     sample_args = [e.get("args", {}) for e in dev[:3]]
     return {
         "files": files,
         "device_ops_per_step": len(dev) / steps,
         "device_busy_us_per_step": sum(e["dur"] for e in dev) / steps,
+        "device_idle_us_per_step": idle / steps,
         "top_device_ops_us_per_step": {k: v / steps for k, v in by_dev.most_common(12)},
+        # name: [count per step, us per step], every kernel name
+        "device_ops": {k: [count_dev[k] / steps, v / steps] for k, v in by_dev.most_common()},
         "top_host_events_us_per_step": {k: (v / steps, count_host[k] / steps) for k, v in by_host.most_common(25)},
         "device_event_args_sample": sample_args,
     }
@@ -120,6 +132,66 @@ def stable_address_dispatch(r, B, kw, reset_lengths, iters) -> dict:
         jax.block_until_ready(r.state.relay.seq_lens)
         out[f"{name}_dispatch_ms"] = median(ts[2:]) * 1e3
         out[f"{name}_period_ms"] = (time.perf_counter() - t0) / iters * 1e3
+    return out
+
+
+def paced_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
+    """Why is the same call slower in the engine loop than back to back? The engine keeps one
+    step in flight and blocks on the previous step's tokens between launches; back to back,
+    the host runs far ahead and never waits. Each mode paces the same call differently and
+    reports the median time the call takes to return:
+
+    - engine_block: launch N+1, start its tokens' copy, then block on step N's tokens
+      (np.asarray), as the overlap loop does;
+    - engine_spin: the same, but poll `is_ready()` until step N is done before reading, so
+      the thread never sleeps in the driver;
+    - engine_block_nocopy: engine_block without copy_to_host_async;
+    - sleep_1ms / spin_1ms: back to back (the queue grows) with 1 ms of idle sleep or busy
+      spinning between calls: does an idle host thread alone make the next call slower?
+    """
+    import jax
+    import numpy as np
+
+    from jaxoverlap import steps
+
+    def call():
+        r.state, o = steps.decode_step(r.params, r.state, entries, res, **kw)
+        return o
+
+    def spin_until(deadline):
+        while time.perf_counter() < deadline:
+            pass
+
+    out = {}
+    for mode in ("engine_block", "engine_spin", "engine_block_nocopy", "sleep_1ms", "spin_1ms"):
+        reset_lengths()
+        prev = call()
+        jax.block_until_ready(prev.tokens)
+        ts, waits = [], []
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            t = time.perf_counter()
+            o = call()
+            ts.append(time.perf_counter() - t)
+            if mode.startswith("engine"):
+                if mode != "engine_block_nocopy":
+                    o.tokens.copy_to_host_async()
+                tw = time.perf_counter()
+                if mode == "engine_spin":
+                    while not prev.tokens.is_ready():
+                        pass
+                np.asarray(prev.tokens)
+                waits.append(time.perf_counter() - tw)
+                prev = o
+            elif mode == "sleep_1ms":
+                time.sleep(1e-3)
+            else:
+                spin_until(time.perf_counter() + 1e-3)
+        jax.block_until_ready(o.tokens)
+        out[f"{mode}_dispatch_ms"] = median(ts[2:]) * 1e3
+        out[f"{mode}_period_ms"] = (time.perf_counter() - t0) / iters * 1e3
+        if waits:
+            out[f"{mode}_wait_ms"] = median(waits[2:]) * 1e3
     return out
 
 
@@ -213,10 +285,13 @@ def child(args) -> dict:
             jax.block_until_ready(o.tokens)
             jax.profiler.stop_trace()
             row["trace"] = _trace_summary(d, n)
+            os.makedirs(args.trace_dir, exist_ok=True)
             for f in glob.glob(os.path.join(d, "**", "*.json.gz"), recursive=True):
                 kind = "perfetto" if "perfetto" in os.path.basename(f) else "trace"
                 dst = os.path.join(args.trace_dir, f"launch_{kind}_{args.variant}_{args.attention_backend}_b{B}.json.gz")
                 shutil.copy(f, dst)
+        if args.paced:  # after the checksum: its extra steps write the cache
+            row.update(paced_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
         out["rows"].append(row)
         print(json.dumps(row)[:3000], flush=True)
     if stable_job is not None:
@@ -237,6 +312,7 @@ def main():
     ap.add_argument("--out", default="launch.json")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--no-stable", action="store_true", help="skip the constant-input programs (two compilations)")
+    ap.add_argument("--paced", action="store_true", help="also time the call paced as in the engine loop")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--variant", default="default")
     args = ap.parse_args()
@@ -254,6 +330,8 @@ def main():
             cmd.append("--tiny")
         if args.no_stable:
             cmd.append("--no-stable")
+        if args.paced:
+            cmd.append("--paced")
         print(f"== {name}: XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
@@ -273,6 +351,9 @@ def main():
     if table:
         print_table(table, ["variant", "batch", "compile_s", "dispatch_ms", "period_ms", "sync_ms", "args_ms",
                             "tokens_checksum", "const_inputs_dispatch_ms", "const_inputs_state_only_dispatch_ms"])
+        paced = [k for k in table[0] if k.endswith(("_dispatch_ms", "_wait_ms")) and not k.startswith("const")]
+        if len(paced) > 1:
+            print_table(table, ["variant", "batch", *paced])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"])
+    g.add_argument("--disable-fused-decode", action="store_true",
+                   help="pallas: separate kernels for decode's q/k norm, RoPE, cache write and attention")
     g.add_argument("--weights-cache-dir", default=None)
     g.add_argument("--compilation-cache-dir", default=None)
     g.add_argument("--seed", type=int, default=0)

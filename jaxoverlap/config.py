@@ -23,6 +23,7 @@ class EngineConfig:
     disable_prefix_cache: bool = False
     tensor_parallel_size: int = 1  # devices of one mesh axis over which weights and KV heads are sharded
     attention_backend: str = "auto"  # "auto" (pallas on GPU, xla elsewhere) | "xla" | "pallas"
+    disable_fused_decode: bool = False  # pallas: keep norm/RoPE/cache write/attention of decode as separate kernels
     batch_buckets: tuple[int, ...] | None = None  # padded decode batch sizes; default powers of 2
     weights_cache_dir: str | None = None  # orbax cache of converted weights for fast restarts
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache

@@ -66,15 +66,16 @@ def _resolve_dtype(name: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _pallas_attention(interpret: bool, mesh=None):
+def _pallas_attention(interpret: bool, mesh=None, fuse_decode: bool = True):
     """One function object per (mode, mesh): the steps take it as a static argument, so a
     new object per engine would compile every step again. With a mesh, the kernels run per
-    device on its own heads (parallel.shard_attention)."""
-    from jaxoverlap.pallas_kernels.attention import paged_attention
+    device on its own heads (parallel.shard_attention), without the fused decode kernel
+    (forward uses it only on one device's qkv layout)."""
+    from jaxoverlap.pallas_kernels.attention import PallasAttention, paged_attention
 
-    fn = functools.partial(paged_attention, backend="pallas", interpret=interpret)
     if mesh is None:
-        return fn
+        return PallasAttention(interpret=interpret, fuse_decode=fuse_decode)
+    fn = functools.partial(paged_attention, backend="pallas", interpret=interpret)
     from jaxoverlap import parallel
 
     return parallel.shard_attention(fn, mesh)
@@ -185,7 +186,8 @@ class Engine:
             backend = "pallas" if jax.default_backend() == "gpu" else "xla"
         if backend == "xla":
             return None
-        return _pallas_attention(interpret=jax.default_backend() != "gpu", mesh=self.mesh)
+        return _pallas_attention(interpret=jax.default_backend() != "gpu", mesh=self.mesh,
+                                 fuse_decode=not self.config.disable_fused_decode)
 
     def _kv_tokens_from_memory(self, params, table_width: int) -> int:
         mc = self.model_config
@@ -271,6 +273,18 @@ class Engine:
         if self.has_work():
             raise RuntimeError("switch loops only while the engine is idle")
         self.overlap = enabled
+
+    def set_fused_decode(self, enabled: bool) -> None:
+        """Switch the Pallas backend's fused decode kernel on or off between workloads (the
+        benchmarks compare both in one process; each setting compiles its own programs)."""
+        from jaxoverlap.pallas_kernels.attention import PallasAttention
+
+        if self.has_work():
+            raise RuntimeError("switch kernels only while the engine is idle")
+        if not isinstance(self.runner.attention, PallasAttention):
+            raise RuntimeError(f"the fused decode kernel needs attention_backend='pallas' on one device, "
+                               f"not {self.runner.attention!r}")
+        self.runner.attention = _pallas_attention(interpret=self.runner.attention.interpret, fuse_decode=enabled)
 
     def _step_overlap(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

@@ -100,6 +100,13 @@ def forward(
     slots = slots.reshape(R * Q)  # [R*Q]
     inv_freq = cfg.rope_inv_freq()
     scale = 1.0 / float(np.sqrt(HD))
+    # One kernel per layer for norm + RoPE + cache write + attention of one-token rows, where
+    # the backend has it (pallas_kernels/fused_decode.py) and qkv is in the one-shard layout.
+    fused = getattr(attention, "fused_decode", None) if Q == 1 else None
+    if fused is not None:
+        from jaxoverlap.pallas_kernels.fused_decode import rope_frequencies
+
+        rope_freq = rope_frequencies(inv_freq)
 
     x = params.embed[tokens]  # [R, Q, D]
     # An unrolled loop over per-layer arrays (not lax.scan): see models/params.py.
@@ -108,16 +115,23 @@ def forward(
         qkv = jnp.dot(h, lw.wqkv)  # [R, Q, (H + 2KVH) * HD]
         if params.bqkv is not None:
             qkv = qkv + params.bqkv[i]
-        q, k, v = split_qkv(qkv, H, KVH, HD, lw.qkv_shards)  # [R, Q, H | KVH, HD]
-        if params.q_norm is not None:
-            q = rms_norm(q, params.q_norm[i], cfg.rms_norm_eps)
-            k = rms_norm(k, params.k_norm[i], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        # The cache buffers are donated by the step, so these scatters update in place.
-        k_cache = k_cache.at[i, slots].set(k.reshape(R * Q, KVH, HD).astype(k_cache.dtype))
-        v_cache = v_cache.at[i, slots].set(v.reshape(R * Q, KVH, HD).astype(v_cache.dtype))
-        o = attention(q, k_cache, v_cache, i, req_to_token, entries, positions, kv_lens, scale=scale, ctx_len=ctx_len)
+        if fused is not None and lw.qkv_shards == 1:
+            o, k_cache, v_cache = fused(
+                qkv.reshape(R, -1), k_cache, v_cache, i, req_to_token, entries, positions[:, 0], kv_lens,
+                slots, params.q_norm, params.k_norm, rope_freq, num_heads=H, num_kv_heads=KVH,
+                eps=cfg.rms_norm_eps, scale=scale, ctx_len=ctx_len)  # qkv [R, 1, W] -> [R, W]
+        else:
+            q, k, v = split_qkv(qkv, H, KVH, HD, lw.qkv_shards)  # [R, Q, H | KVH, HD]
+            if params.q_norm is not None:
+                q = rms_norm(q, params.q_norm[i], cfg.rms_norm_eps)
+                k = rms_norm(k, params.k_norm[i], cfg.rms_norm_eps)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+            # The cache buffers are donated by the step, so these scatters update in place.
+            k_cache = k_cache.at[i, slots].set(k.reshape(R * Q, KVH, HD).astype(k_cache.dtype))
+            v_cache = v_cache.at[i, slots].set(v.reshape(R * Q, KVH, HD).astype(v_cache.dtype))
+            o = attention(q, k_cache, v_cache, i, req_to_token, entries, positions, kv_lens, scale=scale,
+                          ctx_len=ctx_len)
         x = x + jnp.dot(o.reshape(R, Q, H * HD), lw.wo)  # [R, Q, D]
         h = rms_norm(x, params.mlp_norm[i], cfg.rms_norm_eps)
         x = x + gated_mlp(h, lw)  # [R, Q, D]

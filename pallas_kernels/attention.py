@@ -7,6 +7,7 @@ plus keyword-only options, so the engine can pick the backend by a flag.
 from __future__ import annotations
 
 from .decode import MAX_ROWS, paged_decode_attention
+from .fused_decode import fused_decode_attention
 from .prefill import paged_prefill_attention
 from .reference import paged_attention_ref
 
@@ -46,3 +47,29 @@ def paged_attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positio
     kernel = paged_decode_attention if num_q * group <= MAX_ROWS else paged_prefill_attention
     return kernel(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens,
                   scale=scale, ctx_len=ctx_len, interpret=interpret)
+
+
+class PallasAttention:
+    """The Pallas backend as models/transformer.forward sees it: `paged_attention` when
+    called, plus `fused_decode`, the one-kernel decode layer (fused_decode.py) that forward
+    uses for one-token rows when the attribute exists (fuse_decode=True).
+
+    Steps take the backend as a static argument, so create one object per configuration
+    and reuse it (the engine caches them); equal objects would not share compilations."""
+
+    def __init__(self, interpret: bool = False, fuse_decode: bool = True):
+        self.interpret = interpret
+        if not fuse_decode:
+            self.fused_decode = None
+
+    def __call__(self, q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len):
+        return paged_attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens,
+                               scale=scale, ctx_len=ctx_len, backend="pallas", interpret=self.interpret)
+
+    def fused_decode(self, qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens, slots,
+                     q_norm, k_norm, rope_freq, **static):
+        return fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens,
+                                      slots, q_norm, k_norm, rope_freq, interpret=self.interpret, **static)
+
+    def __repr__(self):
+        return f"PallasAttention(interpret={self.interpret}, fuse_decode={self.fused_decode is not None})"

@@ -1,0 +1,45 @@
+"""The engine on the Pallas kernels (interpreted on CPU): the fused decode layer, the
+unfused kernels and the XLA path give the same greedy tokens, for Qwen3 (q/k norm),
+Qwen2 (qkv bias) and Llama."""
+import numpy as np
+import pytest
+
+from engine_fixtures import VOCAB, assert_drained, make_engine, run_workload, tiny_config
+from jaxoverlap.pallas_kernels.attention import PallasAttention
+from jaxoverlap.sampling_params import SamplingParams
+
+
+def workload():
+    rng = np.random.default_rng(7)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    return {0: [(f"r{i}", [int(t) for t in rng.integers(0, VOCAB, size=n)], params) for i, n in enumerate((3, 9, 21))],
+            4: [("late", [int(t) for t in rng.integers(0, VOCAB, size=6)], params)]}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
+def test_fused_decode_matches_unfused_and_xla(model_type, monkeypatch):
+    traced = []  # the fused kernel's calls while the decode programs are traced
+    original = PallasAttention.fused_decode
+
+    def counting(self, *args, **kwargs):
+        traced.append(args[3])  # the layer
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PallasAttention, "fused_decode", counting)
+    cfg = tiny_config(model_type)
+    opts = dict(max_context_len=64, batch_buckets=(4,), chunked_prefill_size=16)
+    outs = {}
+    for name, extra in (("xla", dict(attention_backend="xla")),
+                        ("fused", dict(attention_backend="pallas")),
+                        ("unfused", dict(attention_backend="pallas", disable_fused_decode=True))):
+        eng = make_engine(cfg, **opts, **extra)
+        att = eng.runner.attention
+        if name != "xla":
+            assert isinstance(att, PallasAttention) and (att.fused_decode is None) == (name == "unfused")
+        before = len(traced)
+        finals = run_workload(eng, workload())
+        assert (len(traced) > before) == (name == "fused"), "only the fused engine runs the fused kernel"
+        assert_drained(eng)
+        outs[name] = {k: v.token_ids for k, v in finals.items()}
+    assert all(len(t) == 10 for t in outs["fused"].values())
+    assert outs["fused"] == outs["unfused"] == outs["xla"]
