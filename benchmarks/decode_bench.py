@@ -98,9 +98,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device-iters", type=int, default=50)
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--variants", nargs="+", default=["default"], choices=["default", "fused", "unfused"],
-                    help="decode kernels, each compared in the same run: the engine's default, or the Pallas "
-                         "fused decode kernel on (fused) or off (unfused)")
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=["default", "fused", "unfused", "fused_attention"],
+                    help="decode kernels, each compared in the same run: the engine's default, the Pallas fused "
+                         "decode kernels on (fused) or off (unfused), or only the attention one (fused_attention)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()
@@ -133,7 +133,14 @@ def main():
         first_outputs = None
         for variant in args.variants:
             if variant != "default":
-                engine.set_fused_decode(variant == "fused")
+                engine.set_fused_decode(variant != "unfused")
+            if variant == "fused_attention":
+                # The attention kernel fused, the residual add + norm left to XLA: a backend
+                # object of its own (so its own compilations), for this comparison only.
+                from jaxoverlap.pallas_kernels.attention import PallasAttention
+
+                engine.runner.attention = PallasAttention(interpret=jax.default_backend() != "gpu")
+                engine.runner.attention.add_rms_norm = None
             tc = time.perf_counter()
             run_workload(engine, B, args.prompt_len, 4, seed=99)  # compile this batch's (and variant's) programs
             compile_s = time.perf_counter() - tc

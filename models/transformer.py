@@ -101,17 +101,32 @@ def forward(
     inv_freq = cfg.rope_inv_freq()
     scale = 1.0 / float(np.sqrt(HD))
     # One kernel per layer for norm + RoPE + cache write + attention of one-token rows, where
-    # the backend has it (pallas_kernels/fused_decode.py) and qkv is in the one-shard layout.
+    # the backend has it (pallas_kernels/fused_decode.py) and qkv is in the one-shard layout;
+    # and one for each residual add + RMS norm (pallas_kernels/add_norm.py).
     fused = getattr(attention, "fused_decode", None) if Q == 1 else None
-    if fused is not None:
+    fused_add_norm = getattr(attention, "add_rms_norm", None) if Q == 1 else None
+    D = params.embed.shape[1]
+    if fused is not None or fused_add_norm is not None:
+        from jaxoverlap.pallas_kernels import add_norm as add_norm_kernel
         from jaxoverlap.pallas_kernels.fused_decode import rope_frequencies
 
         rope_freq = rope_frequencies(inv_freq)
+        if not add_norm_kernel.supported(D):  # e.g. hidden 5120: the XLA ops below
+            fused_add_norm = None
+    eps = cfg.rms_norm_eps
+
+    def add_norm(x, delta, weights, row):
+        """(x + delta, rms_norm(x + delta, weights[row])) with x, delta [R, Q, D]."""
+        if fused_add_norm is not None:
+            x, h = fused_add_norm(x.reshape(R * Q, D), delta.reshape(R * Q, D), weights, row=row, eps=eps)
+            return x.reshape(R, Q, D), h.reshape(R, Q, D)  # [R*Q, D] -> [R, Q, D]
+        x = x + delta
+        return x, rms_norm(x, weights[row], eps)
 
     x = params.embed[tokens]  # [R, Q, D]
+    h = rms_norm(x, params.attn_norm[0], eps)
     # An unrolled loop over per-layer arrays (not lax.scan): see models/params.py.
     for i, lw in enumerate(params.layers):
-        h = rms_norm(x, params.attn_norm[i], cfg.rms_norm_eps)
         qkv = jnp.dot(h, lw.wqkv)  # [R, Q, (H + 2KVH) * HD]
         if params.bqkv is not None:
             qkv = qkv + params.bqkv[i]
@@ -119,12 +134,12 @@ def forward(
             o, k_cache, v_cache = fused(
                 qkv.reshape(R, -1), k_cache, v_cache, i, req_to_token, entries, positions[:, 0], kv_lens,
                 slots, params.q_norm, params.k_norm, rope_freq, num_heads=H, num_kv_heads=KVH,
-                eps=cfg.rms_norm_eps, scale=scale, ctx_len=ctx_len)  # qkv [R, 1, W] -> [R, W]
+                eps=eps, scale=scale, ctx_len=ctx_len)  # qkv [R, 1, W] -> [R, W]
         else:
             q, k, v = split_qkv(qkv, H, KVH, HD, lw.qkv_shards)  # [R, Q, H | KVH, HD]
             if params.q_norm is not None:
-                q = rms_norm(q, params.q_norm[i], cfg.rms_norm_eps)
-                k = rms_norm(k, params.k_norm[i], cfg.rms_norm_eps)
+                q = rms_norm(q, params.q_norm[i], eps)
+                k = rms_norm(k, params.k_norm[i], eps)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             # The cache buffers are donated by the step, so these scatters update in place.
@@ -132,11 +147,12 @@ def forward(
             v_cache = v_cache.at[i, slots].set(v.reshape(R * Q, KVH, HD).astype(v_cache.dtype))
             o = attention(q, k_cache, v_cache, i, req_to_token, entries, positions, kv_lens, scale=scale,
                           ctx_len=ctx_len)
-        x = x + jnp.dot(o.reshape(R, Q, H * HD), lw.wo)  # [R, Q, D]
-        h = rms_norm(x, params.mlp_norm[i], cfg.rms_norm_eps)
-        x = x + gated_mlp(h, lw)  # [R, Q, D]
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    return x, k_cache, v_cache
+        x, h = add_norm(x, jnp.dot(o.reshape(R, Q, H * HD), lw.wo), params.mlp_norm, i)  # [R, Q, D]
+        # The residual add of the MLP comes with the next layer's input norm (the final norm last).
+        last = i == len(params.layers) - 1
+        x, h = add_norm(x, gated_mlp(h, lw), params.final_norm[None] if last else params.attn_norm,
+                        0 if last else i + 1)
+    return h, k_cache, v_cache
 
 
 def lm_logits(params: ModelParams, hidden: jax.Array) -> jax.Array:

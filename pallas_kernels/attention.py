@@ -6,6 +6,7 @@ plus keyword-only options, so the engine can pick the backend by a flag.
 
 from __future__ import annotations
 
+from . import add_norm
 from .decode import MAX_ROWS, paged_decode_attention
 from .fused_decode import fused_decode_attention
 from .prefill import paged_prefill_attention
@@ -51,16 +52,19 @@ def paged_attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positio
 
 class PallasAttention:
     """The Pallas backend as models/transformer.forward sees it: `paged_attention` when
-    called, plus `fused_decode`, the one-kernel decode layer (fused_decode.py) that forward
-    uses for one-token rows when the attribute exists (fuse_decode=True).
+    called, plus two kernels that forward uses for one-token rows (decode) where the
+    attributes exist (fuse_decode=True):
+    - `fused_decode`: q/k norm, RoPE, cache write and attention of a layer (fused_decode.py);
+    - `add_rms_norm`: each residual add with the RMS norm after it (add_norm.py).
 
     Steps take the backend as a static argument, so create one object per configuration
     and reuse it (the engine caches them); equal objects would not share compilations."""
 
     def __init__(self, interpret: bool = False, fuse_decode: bool = True):
         self.interpret = interpret
-        if not fuse_decode:
+        if not fuse_decode:  # instance attributes hide the methods: forward sees None
             self.fused_decode = None
+            self.add_rms_norm = None
 
     def __call__(self, q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len):
         return paged_attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens,
@@ -70,6 +74,11 @@ class PallasAttention:
                      q_norm, k_norm, rope_freq, **static):
         return fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens,
                                       slots, q_norm, k_norm, rope_freq, interpret=self.interpret, **static)
+
+    def add_rms_norm(self, x, delta, weights, *, row: int, eps: float):
+        """(x + delta, rms_norm(x + delta) * weights[row]) for x, delta [N, D]; callers check
+        `add_norm.supported(D)` first."""
+        return add_norm.add_rms_norm(x, delta, weights, row=row, eps=eps, interpret=self.interpret)
 
     def __repr__(self):
         return f"PallasAttention(interpret={self.interpret}, fuse_decode={self.fused_decode is not None})"

@@ -18,14 +18,19 @@ def workload():
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
 def test_fused_decode_matches_unfused_and_xla(model_type, monkeypatch):
-    traced = []  # the fused kernel's calls while the decode programs are traced
-    original = PallasAttention.fused_decode
+    traced = []  # the fused kernels' calls while the decode programs are traced
 
-    def counting(self, *args, **kwargs):
-        traced.append(args[3])  # the layer
-        return original(self, *args, **kwargs)
+    def counting(name):
+        original = getattr(PallasAttention, name)
 
-    monkeypatch.setattr(PallasAttention, "fused_decode", counting)
+        def wrapper(self, *args, **kwargs):
+            traced.append(name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(PallasAttention, name, wrapper)
+
+    counting("fused_decode")
+    counting("add_rms_norm")
     cfg = tiny_config(model_type)
     opts = dict(max_context_len=64, batch_buckets=(4,), chunked_prefill_size=16)
     outs = {}
@@ -38,7 +43,8 @@ def test_fused_decode_matches_unfused_and_xla(model_type, monkeypatch):
             assert isinstance(att, PallasAttention) and (att.fused_decode is None) == (name == "unfused")
         before = len(traced)
         finals = run_workload(eng, workload())
-        assert (len(traced) > before) == (name == "fused"), "only the fused engine runs the fused kernel"
+        kernels = set(traced[before:])
+        assert kernels == ({"fused_decode", "add_rms_norm"} if name == "fused" else set()), kernels
         assert_drained(eng)
         outs[name] = {k: v.token_ids for k, v in finals.items()}
     assert all(len(t) == 10 for t in outs["fused"].values())

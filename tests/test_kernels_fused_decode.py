@@ -103,3 +103,21 @@ def test_wrong_rope_would_fail():
         qn, kn, rope_frequencies(inv_freq * 1.5), num_heads=4, num_kv_heads=2, eps=EPS, scale=0.125,
         ctx_len=b.ctx_len, interpret=True)
     assert not np.allclose(np.asarray(got_o), np.asarray(want_o), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,rows,hidden", [(jnp.float32, 3, 64), (jnp.bfloat16, 2, 256)])
+def test_add_rms_norm_matches_xla(dtype, rows, hidden):
+    from jaxoverlap.pallas_kernels.add_norm import add_rms_norm
+
+    rng = np.random.default_rng(5)
+    x, d = (jnp.asarray(rng.normal(size=(rows, hidden)), jnp.float32).astype(dtype) for _ in range(2))
+    w = jnp.asarray(1 + 0.2 * rng.normal(size=(4, hidden)), jnp.float32).astype(dtype)
+    got_x, got_h = add_rms_norm(x, d, w, row=2, eps=EPS, interpret=True)
+    want_x = x + d
+    want_h = rms_norm(want_x, w[2], EPS)
+    np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32))
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got_h, np.float32), np.asarray(want_h, np.float32), atol=tol, rtol=tol)
+    # Another layer's weights give another result: the row index is honoured.
+    _, other = add_rms_norm(x, d, w, row=1, eps=EPS, interpret=True)
+    assert not np.allclose(np.asarray(other, np.float32), np.asarray(want_h, np.float32), atol=1e-3)
