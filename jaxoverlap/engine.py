@@ -69,16 +69,20 @@ def _resolve_dtype(name: str):
 def _pallas_attention(interpret: bool, mesh=None, fuse_decode: bool = True):
     """One function object per (mode, mesh): the steps take it as a static argument, so a
     new object per engine would compile every step again. With a mesh, the kernels run per
-    device on its own heads (parallel.shard_attention), without the fused decode kernel
-    (forward uses it only on one device's qkv layout)."""
+    device on its own heads (parallel.shard_attention, shard_fused_decode)."""
     from jaxoverlap.pallas_kernels.attention import PallasAttention, paged_attention
 
     if mesh is None:
         return PallasAttention(interpret=interpret, fuse_decode=fuse_decode)
-    fn = functools.partial(paged_attention, backend="pallas", interpret=interpret)
     from jaxoverlap import parallel
+    from jaxoverlap.pallas_kernels.fused_decode import fused_decode_attention
 
-    return parallel.shard_attention(fn, mesh)
+    sharded = parallel.shard_attention(functools.partial(paged_attention, backend="pallas", interpret=interpret), mesh)
+    if fuse_decode:  # forward uses it on layers in the N-shard qkv layout (the residual norms stay XLA's)
+        sharded.fused_decode = parallel.shard_fused_decode(
+            functools.partial(fused_decode_attention, interpret=interpret), mesh)
+        sharded.fused_qkv_shards = mesh.size
+    return sharded
 
 
 class Engine:

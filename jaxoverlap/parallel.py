@@ -141,3 +141,29 @@ def shard_attention(attention, mesh: Mesh):
         return fn(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), req_to_token, entries, q_positions, kv_lens)
 
     return sharded
+
+
+def shard_fused_decode(fused, mesh: Mesh):
+    """`pallas_kernels.fused_decode.fused_decode_attention` run on each device of `mesh` over
+    its own heads. Needs the per-shard qkv layout (models/params.py) with N = mesh.size:
+    then device s's contiguous block of the fused qkv axis is [its q | its k | its v], the
+    one-shard layout of its H/N and KVH/N heads, and the caches are split on their KV heads.
+    The output [R, H, HD] comes out split on heads, as `shard_attention`'s does."""
+    n = mesh.size
+    heads = P(None, None, AXIS, None)
+    rep = P()
+
+    def sharded(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens, slots, q_norm, k_norm,
+                rope_freq, *, num_heads, num_kv_heads, **static):
+        def local(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens, slots, *norms):
+            qn, kn = norms if norms else (None, None)  # Llama / Qwen2: no q/k norm
+            return fused(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens, slots, qn, kn,
+                         rope_freq, num_heads=num_heads // n, num_kv_heads=num_kv_heads // n, **static)
+
+        norms = () if q_norm is None else (q_norm, k_norm)
+        fn = _shard_map(local, mesh, in_specs=(P(None, AXIS), heads, heads) + (rep,) * (6 + len(norms)),
+                        out_specs=(P(None, AXIS, None), heads, heads))
+        return fn(qkv, k_cache, v_cache, jnp.asarray(layer, jnp.int32), req_to_token, entries, positions, kv_lens,
+                  slots, *norms)
+
+    return sharded

@@ -101,9 +101,11 @@ def forward(
     inv_freq = cfg.rope_inv_freq()
     scale = 1.0 / float(np.sqrt(HD))
     # One kernel per layer for norm + RoPE + cache write + attention of one-token rows, where
-    # the backend has it (pallas_kernels/fused_decode.py) and qkv is in the one-shard layout;
-    # and one for each residual add + RMS norm (pallas_kernels/add_norm.py).
+    # the backend has it (pallas_kernels/fused_decode.py) and qkv is in the layout it takes
+    # (one shard, or one per device under tensor parallelism: `fused_qkv_shards`); and one
+    # for each residual add + RMS norm (pallas_kernels/add_norm.py).
     fused = getattr(attention, "fused_decode", None) if Q == 1 else None
+    fused_shards = getattr(attention, "fused_qkv_shards", 1)
     fused_add_norm = getattr(attention, "add_rms_norm", None) if Q == 1 else None
     D = params.embed.shape[1]
     if fused is not None or fused_add_norm is not None:
@@ -130,7 +132,7 @@ def forward(
         qkv = jnp.dot(h, lw.wqkv)  # [R, Q, (H + 2KVH) * HD]
         if params.bqkv is not None:
             qkv = qkv + params.bqkv[i]
-        if fused is not None and lw.qkv_shards == 1:
+        if fused is not None and lw.qkv_shards == fused_shards:
             o, k_cache, v_cache = fused(
                 qkv.reshape(R, -1), k_cache, v_cache, i, req_to_token, entries, positions[:, 0], kv_lens,
                 slots, params.q_norm, params.k_norm, rope_freq, num_heads=H, num_kv_heads=KVH,

@@ -343,7 +343,8 @@ def test_worker_stop_releases_waiters():
     t = threading.Thread(target=run)
     t.start()
     deadline = time.monotonic() + 10
-    while st.server.active_streams < 1 and time.monotonic() < deadline:
+    # Wait until the request is in the engine: a stop before that is answered UNAVAILABLE.
+    while not (st.server.active_streams >= 1 and engine.has_work()) and time.monotonic() < deadline:
         time.sleep(0.005)
     worker.stop()  # the engine goes away under a live stream: it ends with "abort"
     t.join(30)

@@ -47,8 +47,10 @@ def test_tp_greedy_matches_single_device():
     for algo in ("None", "eagle"):
         got = out[f"pallas-{algo}-2"]
         assert got["attention"] == "sharded", "the Pallas kernels did not run under shard_map"
+        assert got["fused_decode_shards"] == 2, "the fused decode kernel is not set up for the mesh"
         assert got["kv_devices"] == 2
         assert got["tokens"] == out["None-1"]["tokens"], f"Pallas {algo} TP=2 differs from TP=1"
+    assert out["pallas-None-2"]["fused_decode_traced"] > 0, "plain decoding under TP=2 did not use the fused kernel"
     assert out["fallback_attention_error"] < 1e-4, "replicated Pallas attention (KVH < TP) is wrong"
     for backend in ("xla", "pallas"):
         hlo = out[f"hlo-{backend}"]

@@ -41,6 +41,23 @@ def forward_collectives(eng, params) -> dict:
     return dict(collections.Counter(m.group(1) for m in COLLECTIVE.finditer(hlo)))
 
 
+_FUSED_TRACED: list = []
+
+
+def count_fused_decode(attention) -> list:
+    """Wrap the backend's fused decode kernel (if any) so that each use while a program is
+    traced is recorded; returns the record."""
+    inner = getattr(attention, "fused_decode", None)
+    if inner is not None and not getattr(inner, "counting", False):
+        def counted(*args, **kwargs):
+            _FUSED_TRACED.append(1)
+            return inner(*args, **kwargs)
+
+        counted.counting = True
+        attention.fused_decode = counted
+    return _FUSED_TRACED
+
+
 def fallback_attention_error() -> float:
     """KVH = 2 over 4 devices does not split: shard_attention runs every head on every
     device. Max |error| against the reference, decode (Q=1) and prefill-kernel (Q=40)."""
@@ -83,6 +100,8 @@ def main():
         if algo:
             opts["speculative_algorithm"] = algo
         eng = make_engine(cfg, **opts)
+        traced = count_fused_decode(eng.runner.attention)
+        before = len(traced)
         finals = run_workload(eng, workload)
         eng.check_integrity()
         sharding = eng.runner.state.k_cache.sharding
@@ -95,6 +114,8 @@ def main():
             "retractions": eng.stats()["num_retractions"],
             # parallel.shard_attention's wrapper, or the XLA path's function.
             "attention": getattr(eng.runner.attention, "__name__", ""),
+            "fused_decode_shards": getattr(eng.runner.attention, "fused_qkv_shards", 0),
+            "fused_decode_traced": len(traced) - before,
         }
         if tp == 2 and algo is None:
             # The per-shard layout against the plain one on the same mesh: the latter makes
