@@ -279,7 +279,7 @@ class Engine:
         self.overlap = enabled
 
     def set_fused_decode(self, enabled: bool) -> None:
-        """Switch the Pallas backend's fused decode kernel on or off between workloads (the
+        """Switch the Pallas backend's fused decode kernels on or off between workloads (the
         benchmarks compare both in one process; each setting compiles its own programs)."""
         from jaxoverlap.pallas_kernels.attention import PallasAttention
 
