@@ -156,7 +156,7 @@ def fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, 
     H, KVH = num_heads, num_kv_heads
     if qkv.shape[1] != (H + 2 * KVH) * HD or k_cache.shape[2] != KVH:
         raise ValueError(f"qkv {qkv.shape} / cache {k_cache.shape} do not match H={H}, KVH={KVH}, HD={HD}")
-    group = _tile.check_shapes(jnp.zeros((1, 1, H, HD)), k_cache, v_cache)
+    group = _tile.check_shapes(jax.ShapeDtypeStruct((1, 1, H, HD), qkv.dtype), k_cache, v_cache)  # reads shapes
     if group > MAX_ROWS:
         raise ValueError(f"G = {group} > {MAX_ROWS}")
     block_rows = max(16, _tile.next_pow2(group))
