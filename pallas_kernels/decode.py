@@ -58,23 +58,49 @@ def _kernel(layer_ref, req_ref, entries_ref, qpos_ref, kvlen_ref, q_ref, k_ref, 
 
     # Split the row's *visible* blocks (not ctx_len) so that short rows in a
     # long-ctx_len batch still spread their work over all S programs.
-    nblk = _tile.visible_blocks(qpos, kv_len, block_k)
-    per_split = lax.div(nblk + (num_splits - 1), jnp.int32(num_splits))
-    lo = split * per_split
-    hi = jnp.minimum(lo + per_split, nblk)
+    lo, hi = split_range(_tile.visible_blocks(qpos, kv_len, block_k), split, num_splits)
     acc, m, l = _tile.attend_blocks(
         q, qpos, k_ref=k_ref, v_ref=v_ref, req_ref=req_ref, layer=layer,
         entry=entry, kvh=kvh, kv_len=kv_len, blk_lo=lo, blk_hi=hi,
         block_k=block_k, scale=scale)
+    store_split(out_refs, r, split, num_splits, tok, head, acc, m, l, valid)
 
+
+# -- split-K plumbing shared with fused_decode.py ------------------------------------------
+
+
+def split_range(nblk, split, num_splits: int):
+    """Blocks [lo, hi) of split `split` when nblk blocks are shared out over num_splits."""
+    per_split = lax.div(nblk + (num_splits - 1), jnp.int32(num_splits))
+    lo = split * per_split
+    return lo, jnp.minimum(lo + per_split, nblk)
+
+
+def split_out_shapes(num_splits: int, R: int, Q: int, H: int, HD: int, dtype) -> list:
+    """The output [R, Q, H, HD] itself (one split), or every split's partial state."""
     if num_splits == 1:
-        (o_ref,) = out_refs
-        _tile.store_rows(o_ref, (r,), tok, head, _tile.normalize(acc, l), valid)
+        return [jax.ShapeDtypeStruct((R, Q, H, HD), dtype)]
+    return [
+        jax.ShapeDtypeStruct((num_splits, R, Q, H, HD), jnp.float32),  # acc
+        jax.ShapeDtypeStruct((num_splits, R, Q, H), jnp.float32),  # max
+        jax.ShapeDtypeStruct((num_splits, R, Q, H), jnp.float32),  # sum
+    ]
+
+
+def store_split(out_refs, r, split, num_splits: int, tok, head, acc, m, l, valid) -> None:
+    """Write a program's result into the outputs of `split_out_shapes` (the first ones)."""
+    if num_splits == 1:
+        _tile.store_rows(out_refs[0], (r,), tok, head, _tile.normalize(acc, l), valid)
     else:
-        acc_ref, m_ref, l_ref = out_refs
+        acc_ref, m_ref, l_ref = out_refs[:3]
         _tile.store_rows(acc_ref, (split, r), tok, head, acc, valid)
         _tile.store_row_stats(m_ref, (split, r), tok, head, m, valid)
         _tile.store_row_stats(l_ref, (split, r), tok, head, l, valid)
+
+
+def merge_splits(outs, num_splits: int, dtype):
+    """[R, Q, H, HD] from the outputs of `split_out_shapes`."""
+    return outs[0] if num_splits == 1 else combine_splits(*outs, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -98,14 +124,7 @@ def paged_decode_attention(q, k_cache, v_cache, layer, req_to_token, entries,
     if num_warps is None:  # the f32 [BM, HD] accumulator must fit in registers
         num_warps = 4 if block_rows <= 32 else 8
 
-    if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((R, Q, H, HD), q.dtype)]
-    else:
-        out_shape = [
-            jax.ShapeDtypeStruct((num_splits, R, Q, H, HD), jnp.float32),  # acc
-            jax.ShapeDtypeStruct((num_splits, R, Q, H), jnp.float32),  # max
-            jax.ShapeDtypeStruct((num_splits, R, Q, H), jnp.float32),  # sum
-        ]
+    out_shape = split_out_shapes(num_splits, R, Q, H, HD, q.dtype)
     kernel = functools.partial(
         _kernel, group=group, block_rows=block_rows, block_k=block_k,
         num_splits=num_splits, scale=scale, ctx_len=ctx_len)
@@ -124,6 +143,4 @@ def paged_decode_attention(q, k_cache, v_cache, layer, req_to_token, entries,
         kv_lens.astype(jnp.int32),
         q, k_cache, v_cache,
     )
-    if num_splits == 1:
-        return outs[0]
-    return combine_splits(*outs, q.dtype)
+    return merge_splits(outs, num_splits, q.dtype)

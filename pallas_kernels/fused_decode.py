@@ -29,8 +29,7 @@ from jax.experimental import pallas as pl
 
 from . import _tile
 from ._compat import masked_store, triton_params
-from .combine import combine_splits
-from .decode import MAX_ROWS, choose_splits
+from .decode import MAX_ROWS, choose_splits, merge_splits, split_out_shapes, split_range, store_split
 
 
 def _rms(x32, eps, head_dim):
@@ -96,10 +95,7 @@ def _kernel(layer_ref, req_ref, entries_ref, pos_ref, kvlen_ref, slot_ref, qkv_r
 
     # The cached positions [0, pos) this split covers, from the cache as decode.py does.
     cached = jnp.clip(jnp.minimum(pos, kv_len), 0, ctx_len)
-    nblk = lax.div(cached + (block_k - 1), jnp.int32(block_k))
-    per_split = lax.div(nblk + (num_splits - 1), jnp.int32(num_splits))
-    lo = split * per_split
-    hi = jnp.minimum(lo + per_split, nblk)
+    lo, hi = split_range(lax.div(cached + (block_k - 1), jnp.int32(block_k)), split, num_splits)
     qpos = jnp.full((block_rows,), pos, jnp.int32)
     acc, m, l = _tile.attend_blocks(
         q, qpos, k_ref=k_ref, v_ref=v_ref, req_ref=req_ref, layer=layer, entry=entry, kvh=kvh,
@@ -115,13 +111,7 @@ def _kernel(layer_ref, req_ref, entries_ref, pos_ref, kvlen_ref, slot_ref, qkv_r
     acc = acc * alpha[:, None] + p_new[:, None] * v_new.astype(jnp.float32)[None, :]
     m = m_new
 
-    if num_splits == 1:
-        _tile.store_rows(out_refs[0], (r,), tok, head, _tile.normalize(acc, l), valid)
-    else:
-        acc_ref, m_ref, l_ref = out_refs[:3]
-        _tile.store_rows(acc_ref, (split, r), tok, head, acc, valid)
-        _tile.store_row_stats(m_ref, (split, r), tok, head, m, valid)
-        _tile.store_row_stats(l_ref, (split, r), tok, head, l, valid)
+    store_split(out_refs, r, split, num_splits, tok, head, acc, m, l, valid)
 
 
 def rope_frequencies(inv_freq: np.ndarray) -> np.ndarray:
@@ -169,14 +159,7 @@ def fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, 
     if not has_norm:
         q_norm = k_norm = jnp.ones((1, HD), qkv.dtype)
 
-    if num_splits == 1:
-        attn_shapes = [jax.ShapeDtypeStruct((R, 1, H, HD), qkv.dtype)]
-    else:
-        attn_shapes = [
-            jax.ShapeDtypeStruct((num_splits, R, 1, H, HD), jnp.float32),  # acc
-            jax.ShapeDtypeStruct((num_splits, R, 1, H), jnp.float32),  # max
-            jax.ShapeDtypeStruct((num_splits, R, 1, H), jnp.float32),  # sum
-        ]
+    attn_shapes = split_out_shapes(num_splits, R, 1, H, HD, qkv.dtype)
     cache_shapes = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                     jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
     kernel = functools.partial(
@@ -205,8 +188,5 @@ def fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, 
         k_cache, v_cache,
     )
     k_cache, v_cache = outs[n_attn:]
-    if num_splits == 1:
-        o = outs[0]
-    else:
-        o = combine_splits(*outs[:n_attn], qkv.dtype)
+    o = merge_splits(outs[:n_attn], num_splits, qkv.dtype)
     return o.reshape(R, H, HD), k_cache, v_cache  # [R, 1, H, HD] -> [R, H, HD]
