@@ -32,7 +32,7 @@ from common import QWEN3_8B, TINY, git_commit, ensure_importable, median, model_
 ALGOS = ("plain", "eagle", "ngram", "ngram_device")
 
 
-def make_engine(args, algo, model_path, cfg, params):
+def make_engine(args, algo, backend, model_path, cfg, params):
     from jaxoverlap.config import EngineConfig
     from jaxoverlap.engine import Engine
 
@@ -42,7 +42,7 @@ def make_engine(args, algo, model_path, cfg, params):
     return Engine(EngineConfig(
         model=model_path, load_format="dummy", dtype=args.dtype, max_running_requests=max_b, max_context_len=ctx,
         kv_cache_tokens=max_b * ctx, chunked_prefill_size=1024, max_prefill_requests=8, page_size=16,
-        batch_buckets=tuple(sorted(args.batches)), attention_backend=args.attention_backend,
+        batch_buckets=tuple(sorted(args.batches)), attention_backend=backend,
         compilation_cache_dir=args.compilation_cache_dir, disable_prefix_cache=not args.enable_prefix_cache, **spec,
     ), model_config=cfg, params=params)
 
@@ -170,7 +170,8 @@ def main():
     ap.add_argument("--max-context-len", type=int, default=512)
     ap.add_argument("--device-iters", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--attention-backend", nargs="+", default=["auto"],
+                    help="several: every drafter runs on each, in this one process (kernels on vs off)")
     ap.add_argument("--compilation-cache-dir", default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="spec_bench.json")
@@ -199,13 +200,13 @@ def main():
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
             "commit": commit, "weight_bytes": weight_bytes, "args": vars(args)}
     rows, plain_ms = [], {}
-    cols = ["batch", "algo", "accept_length", "normal_accept_length", "device_step_ms", "device_accept",
+    cols = ["backend", "batch", "algo", "accept_length", "normal_accept_length", "device_step_ms", "device_accept",
             "ms_per_token", "speedup_vs_plain", "overlap_period_ms", "normal_period_ms", "overlap_tok_s",
             "normal_tok_s", "host_total_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
-    for algo in args.algos:
+    for backend, algo in [(b, a) for b in args.attention_backend for a in args.algos]:
         tc = time.perf_counter()
-        engine = make_engine(args, algo, path, cfg, params)
-        print(f"\n{algo}: engine ready in {time.perf_counter() - tc:.1f} s", flush=True)
+        engine = make_engine(args, algo, backend, path, cfg, params)
+        print(f"\n{algo} ({backend} attention): engine ready in {time.perf_counter() - tc:.1f} s", flush=True)
         for B in args.batches:
             tc = time.perf_counter()
             run_workload(engine, args, B, 4, seed=99)  # compile this batch's programs
@@ -224,14 +225,15 @@ def main():
             same = res[True].pop("outputs") == res[False].pop("outputs")
             ov, no = res[True], res[False]
             if algo == "plain":
-                plain_ms[B] = ov["step_period_ms"]
+                plain_ms[backend, B] = ov["step_period_ms"]
             ms_per_token = ov["step_period_ms"] / ov["accept_length"]
             rows.append({
-                "batch": B, "algo": algo, "compile_s": compile_s, "ctx_len": ctx,
+                "backend": backend, "batch": B, "algo": algo, "compile_s": compile_s, "ctx_len": ctx,
                 "device_step_ms": dev_ms, "device_accept": dev_accept,
                 "accept_length": ov["accept_length"], "normal_accept_length": no["accept_length"],
                 "ms_per_token": ms_per_token,
-                "speedup_vs_plain": plain_ms[B] / ms_per_token if B in plain_ms else float("nan"),
+                "speedup_vs_plain": (plain_ms[backend, B] / ms_per_token if (backend, B) in plain_ms
+                                     else float("nan")),
                 "overlap_period_ms": ov["step_period_ms"], "normal_period_ms": no["step_period_ms"],
                 "overlap_tok_s": ov["decode_tok_s"], "normal_tok_s": no["decode_tok_s"],
                 "overlap_gain": ov["decode_tok_s"] / no["decode_tok_s"] - 1,
