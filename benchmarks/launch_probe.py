@@ -9,6 +9,9 @@ inputs, and measures:
 - sync_ms: call plus wait, one step at a time (what the normal loop pays);
 - args_ms: the dispatch of a trivial jitted function over the same arguments (JAX's own
   argument handling, without the step's kernels);
+- with --paced, the same call paced as in the engine loop (`paced_dispatch`);
+- with --unroll N..., programs of N chained decode steps, paced the same way: the launch
+  cost per decode step if one launch ran several (`unrolled_dispatch`);
 - with --trace, a profiler trace of a few steps: device ops per step and the host-side
   events that take the dispatch time.
 
@@ -195,6 +198,52 @@ def paced_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     return out
 
 
+def unrolled_dispatch(r, entries, res, kw, reset_lengths, iters, unroll) -> dict:
+    """Would several decode steps per launch amortise the launch? For each n in `unroll`,
+    one program chains n decode steps (each feeds the next through the relay, as
+    consecutive launches do) and is called as the overlap loop calls a step: launch, start
+    the tokens' copy, block on the previous launch's tokens. Reports the time the call takes
+    to return, per call and per decode step, and the wall time per decode step. The
+    scheduler cannot do this yet: it is the measurement that decides whether to build it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxoverlap import steps
+
+    out = {}
+    for n in unroll:
+        def chain(p, s, e, res_, n=n):
+            tokens = []
+            for _ in range(n):
+                s, o = steps.decode_step(p, s, e, res_, **kw)  # inlined: one program
+                tokens.append(o.tokens)
+            return s, jnp.stack(tokens)  # [n, B]
+
+        fn = jax.jit(chain, donate_argnums=1)
+        reset_lengths()
+        t = time.perf_counter()
+        r.state, prev = fn(r.params, r.state, entries, res)
+        jax.block_until_ready(prev)
+        out[f"unroll{n}_compile_s"] = time.perf_counter() - t
+        calls = max(4, iters // n)
+        reset_lengths()
+        ts = []
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            t = time.perf_counter()
+            r.state, toks = fn(r.params, r.state, entries, res)
+            ts.append(time.perf_counter() - t)
+            toks.copy_to_host_async()
+            np.asarray(prev)
+            prev = toks
+        jax.block_until_ready(prev)
+        out[f"unroll{n}_dispatch_ms"] = median(ts[2:]) * 1e3
+        out[f"unroll{n}_dispatch_per_step_ms"] = median(ts[2:]) * 1e3 / n
+        out[f"unroll{n}_period_per_step_ms"] = (time.perf_counter() - t0) / (calls * n) * 1e3
+    return out
+
+
 def child(args) -> dict:
     ensure_importable()
     import jax
@@ -292,6 +341,8 @@ def child(args) -> dict:
                 shutil.copy(f, dst)
         if args.paced:  # after the checksum: its extra steps write the cache
             row.update(paced_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
+        if args.unroll:  # after the checksum, like the paced calls
+            row.update(unrolled_dispatch(r, entries, res_none, kw, reset_lengths, args.iters, args.unroll))
         out["rows"].append(row)
         print(json.dumps(row)[:3000], flush=True)
     if stable_job is not None:
@@ -313,6 +364,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--no-stable", action="store_true", help="skip the constant-input programs (two compilations)")
     ap.add_argument("--paced", action="store_true", help="also time the call paced as in the engine loop")
+    ap.add_argument("--unroll", type=int, nargs="*", default=[],
+                    help="also time programs of this many chained decode steps, paced as in the engine")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--variant", default="default")
     args = ap.parse_args()
@@ -332,6 +385,8 @@ def main():
             cmd.append("--no-stable")
         if args.paced:
             cmd.append("--paced")
+        if args.unroll:
+            cmd += ["--unroll", *map(str, args.unroll)]
         print(f"== {name}: XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
@@ -351,7 +406,8 @@ def main():
     if table:
         print_table(table, ["variant", "batch", "compile_s", "dispatch_ms", "period_ms", "sync_ms", "args_ms",
                             "tokens_checksum", "const_inputs_dispatch_ms", "const_inputs_state_only_dispatch_ms"])
-        paced = [k for k in table[0] if k.endswith(("_dispatch_ms", "_wait_ms")) and not k.startswith("const")]
+        paced = [k for k in table[0] if k.endswith(("_dispatch_ms", "_wait_ms", "_per_step_ms"))
+                 and not k.startswith("const")]
         if len(paced) > 1:
             print_table(table, ["variant", "batch", *paced])
 

@@ -253,6 +253,45 @@ def test_profile_api_on_tiny_engine():
     # slows XLA's worker threads down, and the tiny model's step is shorter than the host's.)
 
 
+def test_profile_compiles_every_decode_program_before_timing():
+    """With speculation requests finish at different steps, so the batch shrinks through
+    smaller buckets in a pattern each run's fresh prompts change: the profile compiles
+    every decode program the workload can meet first, and no timed run compiles one."""
+    import logging
+
+    import jax
+
+    from engine_fixtures import make_engine
+
+    from jaxoverlap.profiling import capture
+
+    engine = make_engine(speculative_algorithm="ngram_device", speculative_num_steps=2)
+    w = capture.Workload(batch_size=4, prompt_len=12, new_tokens=14)
+    batch_sizes, ctx_lens = capture.decode_programs(engine, w)
+    assert batch_sizes == [1, 2, 4] and ctx_lens and ctx_lens[-1] >= 12 + 14
+    engine.warmup(batch_sizes, ctx_lens)
+
+    compiled = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            msg = record.getMessage()
+            if msg.startswith("Compiling ") and "decode_step" in msg:
+                compiled.append(msg[:80])
+
+    handler, logger = Catch(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    runner = capture.WorkloadRunner(engine)
+    try:
+        with jax.log_compiles(True):
+            runs = [runner.run(w, mode) for _ in range(2) for mode in capture.MODES]
+    finally:
+        logger.removeHandler(handler)
+    sizes = {t.batch_size for r in runs for t in r.timings if t.kind == "decode"}
+    assert min(sizes) < 4  # the batch did shrink, so smaller programs were needed
+    assert compiled == []
+
+
 def test_profile_cli_writes_json_and_plots(tmp_path, capsys):
     from jaxoverlap.cli import main
 

@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 
+from jaxoverlap.buckets import pick
 from jaxoverlap.engine import Engine, StepTiming
 from jaxoverlap.profiling import trace as trace_mod
 from jaxoverlap.sampling_params import SamplingParams
@@ -126,13 +127,32 @@ class BatchResult:
     traced: dict[str, Run]  # mode -> the traced run
 
 
+def decode_programs(engine: Engine, w: Workload) -> tuple[list[int], list[int]]:
+    """Batch and context buckets of every decode program the workload can meet.
+
+    The batch can shrink through every smaller bucket: with speculation, requests finish at
+    different steps, and each run's fresh prompts give another pattern, so one warm-up run
+    does not visit them all (a later run then compiles inside its timing). The context
+    reaches the prompt, the new tokens and the two windows reserved beyond them."""
+    r = engine.runner
+    top_batch = pick(r.batch_buckets, w.batch_size)
+    window, lookahead = (r.spec.window, r.spec.lookahead) if r.spec is not None else (1, 0)
+    longest = w.prompt_len + w.new_tokens + 2 * window + lookahead + r.page_size  # + a page of rounding
+    top_ctx = pick(r.decode_ctx_buckets, min(longest, r.decode_ctx_buckets[-1]))
+    return ([b for b in r.batch_buckets if b <= top_batch], [c for c in r.decode_ctx_buckets if c <= top_ctx])
+
+
 def profile(engine: Engine, workloads: list[Workload], *, repeats: int = 3, window: TraceWindow = TraceWindow(8),
             keep_traces: str | None = None, log=print) -> list[BatchResult]:
-    """For each workload: a warm-up run per loop (compiles), `repeats` timed runs per loop
-    (the loops alternate, so drift hits both alike), then one traced run per loop."""
+    """For each workload: the decode programs it can meet compiled ahead (`decode_programs`),
+    a warm-up run per loop (compiles the rest), `repeats` timed runs per loop (the loops
+    alternate, so drift hits both alike), then one traced run per loop."""
     runner = WorkloadRunner(engine)
     results = []
     for w in workloads:
+        t = time.perf_counter()
+        compiled = engine.warmup(*decode_programs(engine, w))
+        log(f"  B={w.batch_size} {len(compiled)} decode programs ready in {time.perf_counter() - t:.1f} s")
         for mode in MODES:
             runner.run(w, mode)  # compile every shape this workload meets
         timed = {m: [] for m in MODES}
