@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .combine import combine_splits
+from .decode import choose_splits  # the same split rule as the Triton-lowered kernel
 from .reference import MASK_VALUE
 
 try:  # Mosaic GPU ships with jaxlib, but guard so CPU-only installs still import.
@@ -66,8 +67,6 @@ except Exception:  # pragma: no cover
 
 # wgmma M of one warpgroup: the query tile is padded to this many rows.
 WGMMA_M = 64
-# Programs to aim for when choosing S (about two per SM of an H200, as in decode.py).
-TARGET_PROGRAMS = 264
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -82,14 +81,6 @@ def interpret_params():
     if InterpretGPUParams is None:
         raise RuntimeError("this JAX has no Mosaic GPU interpret mode")
     return InterpretGPUParams()
-
-
-def choose_splits(batch: int, num_kv_heads: int, ctx_len: int, block_k: int,
-                  min_blocks_per_split: int = 2) -> int:
-    """Static split count: enough programs to fill the GPU, never tiny splits."""
-    want = TARGET_PROGRAMS // (batch * num_kv_heads)
-    most = -(-ctx_len // (block_k * min_blocks_per_split))
-    return max(1, min(want, most))
 
 
 def _kernel(layer_ref, req_ref, entries_ref, qpos_ref, kvlen_ref, q_ref, k_ref, v_ref,
