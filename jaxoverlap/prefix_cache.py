@@ -3,6 +3,12 @@
 Pure Python. Each node holds one full page: the `page_size` tokens of that page and the page
 number. A request that matches a prefix locks the nodes on its path (they can't be evicted
 while it runs) and unlocks them when it ends; a finished request inserts its full pages.
+
+Eviction runs on the scheduler's path whenever the free pages run short, which in a
+long-running server (the cache holding every old prefix) is nearly every step. So it must
+not walk the tree: a heap of (last_access, node) entries for evictable leaves is kept as the
+tree changes, and entries that went stale (the node was touched, locked, got children or
+left the tree) are dropped when they come to the top.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import Sequence
 
 
 class _Node:
-    __slots__ = ("key", "page", "parent", "children", "lock_count", "last_access")
+    __slots__ = ("key", "page", "parent", "children", "lock_count", "last_access", "in_tree")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: "_Node | None"):
         self.key = key
@@ -21,6 +27,7 @@ class _Node:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.lock_count = 0
         self.last_access = 0
+        self.in_tree = True
 
 
 class PrefixCache:
@@ -31,6 +38,9 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self._num_pages = 0
         self._num_locked = 0  # nodes with lock_count > 0
+        # (last_access, push order, node) for every unlocked leaf, plus stale entries.
+        self._lru: list[tuple[int, int, _Node]] = []
+        self._pushes = itertools.count()
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -64,6 +74,7 @@ class PrefixCache:
             if child is None:
                 break
             child.last_access = now
+            self._offer(child)
             path.append(child)
             node = child
         return path
@@ -83,6 +94,7 @@ class PrefixCache:
             n.last_access = now
             if n.lock_count == 0:
                 self._num_locked -= 1
+                self._offer(n)
 
     # -- insert / evict --------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
@@ -106,22 +118,34 @@ class PrefixCache:
                 rejected.append(pages[i])
             child.last_access = now
             node = child
+        self._offer(node)  # the last page; the nodes above it are no leaves
         return rejected
 
     def evict(self, num_pages: int) -> list[int]:
         """Remove up to `num_pages` unlocked leaves, least recently used first; return their pages."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_count == 0]
-        heapq.heapify(heap)
         freed: list[int] = []
-        while heap and len(freed) < num_pages:
-            _, _, n = heapq.heappop(heap)
+        while self._lru and len(freed) < num_pages:
+            stamp, _, n = heapq.heappop(self._lru)
+            if not self._evictable(n) or stamp != n.last_access:
+                continue  # stale: a fresher entry for n exists, or n is no evictable leaf now
             parent = n.parent
             del parent.children[n.key]
+            n.in_tree = False
             self._num_pages -= 1
             freed.append(n.page)
-            if parent is not self._root and not parent.children and parent.lock_count == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._offer(parent)  # it may have become a leaf
         return freed
+
+    def _evictable(self, n: _Node) -> bool:
+        return n.in_tree and n is not self._root and not n.children and n.lock_count == 0
+
+    def _offer(self, n: _Node) -> None:
+        """Queue n for eviction at its current last_access, if it is an unlocked leaf."""
+        if self._evictable(n):
+            heapq.heappush(self._lru, (n.last_access, next(self._pushes), n))
+            if len(self._lru) > 4 * self._num_pages + 64:  # stale entries: rebuild from the tree
+                self._lru = [(m.last_access, next(self._pushes), m) for m in self._leaves() if self._evictable(m)]
+                heapq.heapify(self._lru)
 
     def _leaves(self):
         stack = list(self._root.children.values())
@@ -146,3 +170,6 @@ class PrefixCache:
             stack.extend(n.children.values())
         assert count == self._num_pages, f"node count {count} != {self._num_pages}"
         assert locked == self._num_locked
+        queued = {id(n) for stamp, _, n in self._lru if self._evictable(n) and stamp == n.last_access}
+        missing = [n.page for n in self._leaves() if self._evictable(n) and id(n) not in queued]
+        assert not missing, f"evictable leaves not queued for eviction: pages {missing}"

@@ -59,3 +59,69 @@ def test_prefix_cache_disabled():
     pc = PrefixCache(page_size=2, enabled=False)
     assert pc.insert([1, 2, 3, 4], [5, 6]) == [5, 6]
     assert pc.match([1, 2, 3, 4]) == []
+
+
+def _evictable_leaves(pc):
+    """The unlocked leaves, found by walking the whole tree (what evict must not do)."""
+    return {n.page: n for n in pc._leaves() if n.lock_count == 0}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_prefix_cache_eviction_is_lru_over_random_operations(seed):
+    """Random inserts, matches, locks, unlocks and evictions over a small token alphabet (so
+    paths share prefixes): every page evict returns is, at that moment, an unlocked leaf with
+    the oldest last access; evict takes as many as it can; the queue of evictable leaves stays
+    complete (check_integrity)."""
+    import random
+
+    rng = random.Random(seed)
+    pc = PrefixCache(page_size=2)
+    next_page, locked = 1, []
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.35:
+            toks = [rng.randrange(3) for _ in range(2 * rng.randrange(1, 6))]
+            n = len(toks) // 2
+            pc.insert(toks, list(range(next_page, next_page + n)))
+            next_page += n
+        elif op < 0.55:
+            path = pc.match([rng.randrange(3) for _ in range(2 * rng.randrange(1, 6))])
+            pc.lock(path)
+            locked.append(path)
+        elif op < 0.7 and locked:
+            pc.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            want = rng.randrange(1, 4)
+            for _ in range(want):
+                leaves = _evictable_leaves(pc)
+                got = pc.evict(1)
+                if not leaves:
+                    assert got == []
+                    break
+                (page,) = got
+                assert page in leaves
+                assert leaves[page].last_access == min(n.last_access for n in leaves.values())
+        pc.check_integrity()
+    for path in locked:
+        pc.unlock(path)
+    total = pc.num_pages
+    assert len(pc.evict(total + 5)) == total and pc.num_pages == 0  # everything goes, once
+
+
+def test_prefix_cache_evict_does_not_walk_the_tree():
+    """With thousands of cached pages, evicting one page touches the queue, not the tree."""
+    pc = PrefixCache(page_size=2)
+    for i in range(3000):
+        pc.insert([i, i, 1, 1], [2 * i + 1, 2 * i + 2])
+    calls = 0
+    walk = pc._leaves
+
+    def counting_walk():
+        nonlocal calls
+        calls += 1
+        return walk()
+
+    pc._leaves = counting_walk
+    assert pc.evict(1) == [2]  # the oldest insert's leaf
+    assert pc.evict(1) == [1]  # then its parent, now a leaf with the same last access
+    assert calls == 0
