@@ -345,9 +345,9 @@ class Scheduler:
         if cache and self.prefix.enabled:
             n_full = max(0, min(req.kv_committed - self.cfg.cache_lag, len(req.all_ids))) // ps
             rejected = self.prefix.insert(req.all_ids[: n_full * ps], req.pages[:n_full])
-            keep = set(req.pages[:n_full]) - set(rejected)
+            # Pages that stay: the ones the cache took, and the matched prefix it already had.
+            keep = (set(req.pages[:n_full]) - set(rejected)) | {n.page for n in req.prefix_nodes}
             to_free = [p for p in req.pages if p not in keep]
-            to_free = [p for p in to_free if p not in {n.page for n in req.prefix_nodes}]
         self.pages.free(to_free)
         self.prefix.unlock(req.prefix_nodes)
         self.entries.free(req.entry)
