@@ -35,14 +35,15 @@ def make_paged_batch(*, kv_lens, num_q: int, num_heads: int, num_kv_heads: int,
                      head_dim: int, page_size: int, ctx_len: int | None = None,
                      num_layers: int = 2, layer: int = 1, dtype=jnp.float32,
                      seed: int = 0, extra_pages: int = 3, pad_positions: str = "zero",
-                     padded_rows: int = 0) -> PagedBatch:
+                     padded_rows: int = 0, nan_dummy_page: bool = False) -> PagedBatch:
     """A batch of len(kv_lens) real rows plus `padded_rows` empty rows.
 
     Real row r has kv_lens[r] cached positions; its num_q queries sit at the
     last num_q positions (a chunk / window / decode token); if kv_lens[r] <
     num_q, the trailing queries are padding with positions per pad_positions
     ("zero" or "garbage": large random values the kernels must tolerate).
-    Padded rows use entry 0 and kv_len 0.
+    Padded rows use entry 0 and kv_len 0. nan_dummy_page fills page 0 with NaN,
+    so a kernel that reads it for padding positions produces NaN.
     """
     rng = np.random.default_rng(seed)
     kv_lens = [int(x) for x in kv_lens]
@@ -65,14 +66,19 @@ def make_paged_batch(*, kv_lens, num_q: int, num_heads: int, num_kv_heads: int,
         req_to_token[e, :slots.size] = slots
         entries.append(e)
 
+    # numpy, not jax.random: that compiles once per shape (~1 s each on CPU), which would
+    # dominate the interpreted kernel tests.
     num_slots = num_pages * page_size
-    kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
     cache_shape = (num_layers, num_slots, num_kv_heads, head_dim)
-    k_cache = jax.random.normal(kk, cache_shape, jnp.float32).astype(dtype)
-    v_cache = jax.random.normal(kv, cache_shape, jnp.float32).astype(dtype)
+    k_cache = rng.standard_normal(cache_shape, np.float32)
+    v_cache = rng.standard_normal(cache_shape, np.float32)
+    if nan_dummy_page:
+        k_cache[:, :page_size] = np.nan
+        v_cache[:, :page_size] = np.nan
+    k_cache, v_cache = jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype)
 
     R = n_real + padded_rows
-    q = jax.random.normal(kq, (R, num_q, num_heads, head_dim), jnp.float32).astype(dtype)
+    q = jnp.asarray(rng.standard_normal((R, num_q, num_heads, head_dim), np.float32), dtype)
     qpos = np.zeros((R, num_q), np.int32)
     for r, n in enumerate(kv_lens):
         n_real_q = min(num_q, n)  # real queries first, padding after

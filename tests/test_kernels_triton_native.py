@@ -51,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxoverlap.pallas_kernels import triton_native as tn  # noqa: E402
 from jaxoverlap.pallas_kernels.reference import paged_attention_ref  # noqa: E402
-from jaxoverlap.pallas_kernels.testing import PagedBatch  # noqa: E402
+from jaxoverlap.pallas_kernels.testing import make_paged_batch  # noqa: E402
 
 
 if not INTERPRET:
@@ -150,47 +150,12 @@ else:
 
     def _batch(*, kv_lens, num_q, num_heads, num_kv_heads, head_dim, dtype, page_size=8,
                num_layers=2, layer=1, padded_rows=1, pad_positions="zero", seed=0):
-        """A PagedBatch laid out like testing.make_paged_batch, with numpy random data.
-
-        Same layout (dummy page 0, each request's whole pages scattered by a
-        random permutation, entries from 2, queries on the last positions,
-        padded rows on entry 0 with kv_len 0); numpy because jax.random
-        compiles once per shape (~1 s each on CPU) and would dominate the run.
-        Page 0 holds NaN: padding columns are clamped onto written slots and
-        must never read it.
-        """
-        rng = np.random.default_rng(seed)
-        ctx_len = max(kv_lens)
-        max_context = -(-ctx_len // page_size) * page_size  # table width in whole pages
-        pages_per_req = [-(-n // page_size) for n in kv_lens]
-        num_pages = 1 + sum(pages_per_req) + 2  # dummy page 0 + used + 2 unused
-        perm = rng.permutation(np.arange(1, num_pages))  # scattered, non-contiguous pages
-        req_to_token = np.zeros((len(kv_lens) + 2, max_context), np.int32)
-        used = 0
-        for r, n_pages in enumerate(pages_per_req):
-            pages = perm[used:used + n_pages]
-            used += n_pages
-            slots = (pages[:, None] * page_size + np.arange(page_size)[None, :]).reshape(-1)
-            req_to_token[r + 2, :slots.size] = slots  # [n_pages * page_size]
-
-        R = len(kv_lens) + padded_rows
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        k_cache = rng.standard_normal(shape, np.float32)
-        v_cache = rng.standard_normal(shape, np.float32)
-        k_cache[:, :page_size] = np.nan
-        v_cache[:, :page_size] = np.nan
-        q = rng.standard_normal((R, num_q, num_heads, head_dim), np.float32)
-        qpos = np.zeros((R, num_q), np.int32)
-        for r, n in enumerate(kv_lens):
-            n_real_q = min(num_q, n)  # real queries first, padding after
-            qpos[r, :n_real_q] = np.arange(n - n_real_q, n)
-            if pad_positions == "garbage":
-                qpos[r, n_real_q:] = rng.integers(0, 10 * max_context + 7, size=num_q - n_real_q)
-        entries = np.array([r + 2 for r in range(len(kv_lens))] + [0] * padded_rows, np.int32)
-        lens = np.array(list(kv_lens) + [0] * padded_rows, np.int32)
-        cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-        return PagedBatch(cast(q), cast(k_cache), cast(v_cache), layer, jnp.asarray(req_to_token),
-                          jnp.asarray(entries), jnp.asarray(qpos), jnp.asarray(lens), ctx_len)
+        """testing.make_paged_batch with NaN in the dummy page 0: padding columns are
+        clamped onto written slots and must never read it."""
+        return make_paged_batch(kv_lens=kv_lens, num_q=num_q, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                head_dim=head_dim, dtype=dtype, page_size=page_size, num_layers=num_layers,
+                                layer=layer, padded_rows=padded_rows, pad_positions=pad_positions, seed=seed,
+                                nan_dummy_page=True)
 
     def _run(b, layer=None, **tuning):
         scale = b.q.shape[-1] ** -0.5
