@@ -92,7 +92,7 @@ def main():
         entries = np.zeros((B,), np.int32)
         cap = r._decode_res_capacity(B)
         res = steps.Reservations.empty(cap)
-        step, a, static = r._decode_program(entries, res, None, r.ctx_buckets[0], False)
+        step, a, static = r._decode_program(entries, res, None, r.ctx_buckets[0], False, False)
         put, dev_call = [], []
         for _ in range(30):
             t = time.perf_counter()
@@ -109,7 +109,7 @@ def main():
         if not args.no_ctx_compare:
             ent_real = np.arange(1, B + 1, dtype=np.int32)
             for ctx in (256, r.table_width):
-                step, a, static = r._decode_program(ent_real, res, None, ctx, False)
+                step, a, static = r._decode_program(ent_real, res, None, ctx, False, False)
                 relay = r.state.relay
                 r.state = dataclasses.replace(r.state, relay=dataclasses.replace(
                     relay, seq_lens=relay.seq_lens.at[1:B + 1].set(176)))

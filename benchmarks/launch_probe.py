@@ -41,11 +41,14 @@ VARIANTS = {
     "cmdbuf_all_min1": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
                        "--xla_gpu_graph_min_graph_size=1",
     # XLA updates a recorded CUDA graph whenever a buffer address changed since the last run
-    # (the step's small inputs and outputs are new buffers every step). Newer XLA can keep
-    # stable virtual addresses instead (openxla/xla PRs 39393, 40173); the flag may be
-    # unknown to the installed jaxlib, and the variant then fails at start-up.
-    "update_free": "--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE",
-    "lib_update_free": "--xla_gpu_command_buffer_update_mode=CUSTOM_LIBRARY_UPDATE_FREE",
+    # (the step's small inputs and outputs are new buffers every step). Newer XLA can give
+    # the graph's buffers stable virtual addresses instead (the VMM allocator), chosen by
+    # `xla_gpu_command_buffer_update_mode`, whose value names changed between XLA versions
+    # (ALWAYS_UPDATE / NEVER_UPDATE / CAPTURE_CMD_NEVER_UPDATE, then SKIP_TEMP /
+    # SKIP_PROFILED, then DYNAMIC_ALLOCATE / VMM_PERSISTENT_TEMP). A name the installed
+    # jaxlib does not know stops that variant at start-up, which the table reports.
+    **{f"update_{mode.lower()}": f"--xla_gpu_command_buffer_update_mode={mode}"
+       for mode in ("NEVER_UPDATE", "CAPTURE_CMD_NEVER_UPDATE", "SKIP_TEMP", "SKIP_PROFILED", "VMM_PERSISTENT_TEMP")},
     "va_remap": "--xla_gpu_enable_command_buffer_va_remapping=true",
 }
 
@@ -394,7 +397,11 @@ def main():
             if lines:
                 results.append(json.loads(lines[-1][7:]))
             else:
-                results.append({"variant": name, "error": p.stderr[-3000:]})
+                # The cause is usually one line near the top (an unknown flag, a bad value),
+                # followed by the whole flag help: keep those lines and the tail.
+                keys = ("Unknown", "unknown", "update_mode", "Check failed", "Error", "rror:")
+                lines = [ln for ln in p.stderr.splitlines() if any(k in ln for k in keys)][:10]
+                results.append({"variant": name, "error": "\n".join(lines + [p.stderr[-1500:]])})
             print(p.stdout[-4000:], p.stderr[-1500:] if p.returncode else "", flush=True)
         except subprocess.TimeoutExpired as e:
             results.append({"variant": name, "error": f"timeout after {args.timeout_s}s"})

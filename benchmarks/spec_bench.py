@@ -38,7 +38,8 @@ def make_engine(args, algo, backend, model_path, cfg, params):
 
     max_b = max(args.batches)
     ctx = args.max_context_len
-    spec = {} if algo == "plain" else dict(speculative_algorithm=algo, speculative_num_steps=args.num_steps)
+    spec = {} if algo == "plain" else dict(speculative_algorithm=algo, speculative_num_steps=args.num_steps,
+                                           speculative_disable_by_batch_size=args.disable_by_batch_size)
     return Engine(EngineConfig(
         model=model_path, load_format="dummy", dtype=args.dtype, max_running_requests=max_b, max_context_len=ctx,
         kv_cache_tokens=max_b * ctx, chunked_prefill_size=1024, max_prefill_requests=8, page_size=16,
@@ -131,13 +132,15 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
         from jaxoverlap.speculative.step import HostDrafts, spec_decode_step
 
         host = None
-        if r.spec.host_drafts:  # the device cost only; the host lookup is measured in the workload
+        draft = r.draft_max_rows is None or batch_size <= r.draft_max_rows
+        spec = r.spec if draft else r.paused_spec  # the program the engine runs at this batch size
+        if draft and r.spec.host_drafts:  # the device cost only; the host lookup is measured in the workload
             host = HostDrafts(np.zeros((batch_size, r.spec.num_draft), np.int32),
                               np.full((batch_size,), r.spec.num_draft, np.int32))
 
         def call():
             r.state, out = spec_decode_step(r.params, r.drafter.params, r.state, entries, res, host,
-                                            cfg=r.model_cfg, spec=r.spec, ctx_len=ctx_len, page_size=r.page_size,
+                                            cfg=r.model_cfg, spec=spec, ctx_len=ctx_len, page_size=r.page_size,
                                             attention=r.attention, sampling=False)  # the greedy program
             return out
 
@@ -172,6 +175,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backend", nargs="+", default=["auto"],
                     help="several: every drafter runs on each, in this one process (kernels on vs off)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="speculative_disable_by_batch_size for every drafter: larger batches draft nothing")
     ap.add_argument("--compilation-cache-dir", default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="spec_bench.json")
@@ -200,7 +205,7 @@ def main():
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
             "commit": commit, "weight_bytes": weight_bytes, "args": vars(args)}
     rows, plain_ms = [], {}
-    cols = ["backend", "batch", "algo", "accept_length", "normal_accept_length", "device_step_ms", "device_accept",
+    cols = ["backend", "batch", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms", "device_accept",
             "ms_per_token", "speedup_vs_plain", "overlap_period_ms", "normal_period_ms", "overlap_tok_s",
             "normal_tok_s", "host_total_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
     for backend, algo in [(b, a) for b in args.attention_backend for a in args.algos]:
@@ -229,6 +234,8 @@ def main():
             ms_per_token = ov["step_period_ms"] / ov["accept_length"]
             rows.append({
                 "backend": backend, "batch": B, "algo": algo, "compile_s": compile_s, "ctx_len": ctx,
+                # False where speculation is paused at this batch size (--disable-by-batch-size)
+                "drafts": algo != "plain" and (args.disable_by_batch_size is None or B <= args.disable_by_batch_size),
                 "device_step_ms": dev_ms, "device_accept": dev_accept,
                 "accept_length": ov["accept_length"], "normal_accept_length": no["accept_length"],
                 "ms_per_token": ms_per_token,

@@ -40,6 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-eagle-topk", type=int, default=1)
     s.add_argument("--speculative-draft-model-path", default=None)
     s.add_argument("--speculative-eagle-head-path", default=None)
+    s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="decode batches of more rows than this draft nothing (speculation paused)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -38,6 +38,10 @@ class EngineConfig:
     speculative_eagle_head_path: str | None = None  # eagle: EAGLE-format head folder; None = random head
     speculative_ngram_min_match_window_size: int = 1  # ngram: shortest trailing n-gram to look up
     speculative_ngram_max_match_window_size: int = 4  # ngram: longest trailing n-gram to look up
+    # Decode batches of more rows than this draft nothing (speculation paused; vLLM's
+    # option of the same name): at large batches the step is compute-bound and verifying
+    # drafts costs more than the accepted ones save. None: always draft.
+    speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
@@ -65,6 +69,9 @@ class EngineConfig:
             object.__setattr__(self, "speculative_algorithm", algo)
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None and limit < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1 or None, got {limit}")
         if algo is None:
             return
         if self.speculative_eagle_topk != 1:

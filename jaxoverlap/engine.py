@@ -143,6 +143,7 @@ class Engine:
                 lookahead=spec.lookahead if spec else 0,
                 cache_lag=spec.cache_lag if spec else 0,
                 resume_with_last_token=spec is not None,
+                draft_max_rows=config.speculative_disable_by_batch_size if spec else None,
             ),
             PageAllocator(num_pages, ps),
             EntryAllocator(config.max_running_requests),
@@ -166,6 +167,7 @@ class Engine:
             max_prefill_requests=config.max_prefill_requests, chunked_prefill_size=config.chunked_prefill_size,
             table_width=table_width, batch_buckets=config.batch_buckets, attention=attention,
             drafter=self.drafter, attention_is_length_adaptive=attention is not None,  # the Pallas kernels
+            draft_max_rows=config.speculative_disable_by_batch_size,
         )
         if self.mesh is not None:
             from jaxoverlap import parallel
@@ -420,6 +422,7 @@ class Engine:
             "speculative_algorithm": self.config.speculative_algorithm,
             # Tokens per verified row, bonus included (1.0 without speculation).
             "accept_length": s.num_accepted_tokens / s.num_verify_rows if s.num_verify_rows else 1.0,
+            "spec_paused_steps": s.num_paused_steps,  # decode steps above speculative_disable_by_batch_size
         }
 
     def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int = 8) -> list[dict]:

@@ -108,10 +108,15 @@ class ModelRunner:
         attention=None,
         drafter=None,
         attention_is_length_adaptive: bool = False,
+        draft_max_rows: int | None = None,
     ):
         self.params = params
         self.drafter = drafter  # speculative.setup.Drafter or None
         self.spec = drafter.spec if drafter is not None else None
+        # The step of a batch that does not draft (ScheduledBatch.draft): no draft slots,
+        # drafter state kept up to date (speculative/step.py).
+        self.paused_spec = dataclasses.replace(self.spec, num_draft=0) if self.spec is not None else None
+        self.draft_max_rows = draft_max_rows if self.spec is not None else None
         self.last_draft_s = 0.0  # host drafting time of the last launch (host n-gram)
         self.inputs = DeviceInputs()  # the engine sets its sharding under tensor parallelism
         self.model_cfg = model_cfg
@@ -154,7 +159,7 @@ class ModelRunner:
     # -- launch -----------------------------------------------------------------------------
     def needs_host_results(self, batch: ScheduledBatch) -> bool:
         """Whether this batch can only launch once the previous step's tokens are on the host."""
-        return self.spec is not None and self.spec.host_drafts and batch.kind == "decode"
+        return self.spec is not None and self.spec.host_drafts and batch.kind == "decode" and batch.draft
 
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         if batch.kind == "prefill":
@@ -175,7 +180,7 @@ class ModelRunner:
         entries[: batch.size] = [row.req.entry for row in batch.rows]
         res = self._reservations(batch, self._decode_res_capacity(B))
         host_drafts = None
-        if self.spec is not None and self.spec.host_drafts:
+        if self.needs_host_results(batch):
             from jaxoverlap.speculative.step import HostDrafts
 
             t = time.perf_counter()
@@ -184,14 +189,25 @@ class ModelRunner:
             host_drafts = HostDrafts(tokens, counts)
         entries = self.inputs.put("entries", entries)
         res = steps.Reservations(self.inputs.put("reservations", res.table))
-        step, args, static = self._decode_program(entries, res, host_drafts, self._ctx_len(batch), batch_samples(batch))
+        step, args, static = self._decode_program(entries, res, host_drafts, self._ctx_len(batch), batch_samples(batch),
+                                                  batch.draft)
         self.state, out = step(*args, **static)
         return out
+
+    def decode_variants(self, B: int) -> tuple[bool, ...]:
+        """The `draft` values (ScheduledBatch.draft) that decode batches of bucket B can
+        have: a bucket holds the sizes above the next smaller bucket, up to B."""
+        if self.spec is None:
+            return (False,)
+        if self.draft_max_rows is None:
+            return (True,)
+        smallest = 1 + max((b for b in self.batch_buckets if b < B), default=0)
+        return tuple(v for v, ok in ((True, smallest <= self.draft_max_rows), (False, B > self.draft_max_rows)) if ok)
 
     def _decode_res_capacity(self, B: int) -> int:
         return max(8, B * self.decode_pages_per_row)
 
-    def _decode_program(self, entries, res, host_drafts, ctx_len: int, sampling: bool):
+    def _decode_program(self, entries, res, host_drafts, ctx_len: int, sampling: bool, draft: bool):
         """(jitted step, arguments, static arguments) of one decode launch. `launch` and
         `precompile` both build their call here, so that they meet in one jit cache entry."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
@@ -201,7 +217,7 @@ class ModelRunner:
         from jaxoverlap.speculative.step import spec_decode_step
 
         return (spec_decode_step, (self.params, self.drafter.params, self.state, entries, res, host_drafts),
-                dict(static, spec=self.spec))
+                dict(static, spec=self.spec if draft else self.paused_spec))
 
     # -- ahead-of-time compilation -----------------------------------------------------------
     def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int = 8) -> list[dict]:
@@ -218,15 +234,15 @@ class ModelRunner:
 
         import jax
 
-        jobs = [(B, ctx, bool(s)) for B in (batch_sizes or self.batch_buckets)
-                for ctx in (ctx_lens or self.decode_ctx_buckets) for s in sampling]
+        jobs = [(B, ctx, bool(s), d) for B in (batch_sizes or self.batch_buckets)
+                for ctx in (ctx_lens or self.decode_ctx_buckets) for s in sampling for d in self.decode_variants(B)]
 
         def compile_one(job):
-            B, ctx, s = job
+            B, ctx, s, draft = job
             cap = self._decode_res_capacity(B)
             res = steps.Reservations.empty(cap)
             host = None
-            if self.spec is not None and self.spec.host_drafts:
+            if draft and self.spec.host_drafts:
                 from jaxoverlap.speculative.step import HostDrafts
 
                 host = HostDrafts(np.zeros((B, self.spec.num_draft), np.int32), np.zeros((B,), np.int32))
@@ -234,9 +250,9 @@ class ModelRunner:
             put = functools.partial(jax.device_put, device=self.inputs.sharding)
             t = time.perf_counter()
             step, args, static = self._decode_program(put(np.zeros((B,), np.int32)), steps.Reservations(put(res.table)),
-                                                      host, ctx, s)
+                                                      host, ctx, s, draft)
             step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs, nothing is donated
-            return {"batch": B, "ctx_len": ctx, "sampling": s, "seconds": time.perf_counter() - t}
+            return {"batch": B, "ctx_len": ctx, "sampling": s, "draft": draft, "seconds": time.perf_counter() - t}
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             return list(pool.map(compile_one, jobs))

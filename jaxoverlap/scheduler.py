@@ -41,6 +41,9 @@ class SchedulerConfig:
     # Resume a retracted request from its last output token (see Request.resume_token)
     # rather than by sampling a new token after all of its output.
     resume_with_last_token: bool = False
+    # Decode batches of more rows than this draft nothing (ScheduledBatch.draft); None: all
+    # draft. Their reservations still cover a full window, so that any step can draft again.
+    draft_max_rows: int | None = None
 
 
 @dataclasses.dataclass
@@ -58,6 +61,9 @@ class ScheduledBatch:
     rows: list[BatchRow]
     reservations: list[tuple[int, int, int]]  # (entry, page_index, page)
     ctx_len: int  # the highest position any row may read, plus one
+    # Decode with a drafter: whether this step drafts and verifies (False: speculation is
+    # paused for this batch size, and the step adds one token per row).
+    draft: bool = False
 
     @property
     def size(self) -> int:
@@ -93,6 +99,7 @@ class Scheduler:
         # Speculative decoding: tokens the device accepted (bonus included) over processed rows.
         self.num_accepted_tokens = 0
         self.num_verify_rows = 0
+        self.num_paused_steps = 0  # decode steps that did not draft although a drafter is set
 
     # -- requests in and out ------------------------------------------------------------------
     def fits(self, prompt_len: int) -> bool:
@@ -220,7 +227,10 @@ class Scheduler:
                 req.pages.extend(new)
         rows = [BatchRow(req, req.epoch) for req in self.running]
         ctx_len = min(max(len(r.pages) for r in self.running) * self.cfg.page_size, self.cfg.table_width)
-        return ScheduledBatch("decode", rows, reservations, ctx_len)
+        limit = self.cfg.draft_max_rows
+        draft = self.cfg.window > 1 and (limit is None or len(rows) <= limit)
+        self.num_paused_steps += self.cfg.window > 1 and not draft
+        return ScheduledBatch("decode", rows, reservations, ctx_len, draft=draft)
 
     def _top_up_or_retract(self) -> None:
         """Make sure every running row can be topped up: evict cached prefixes first, then
@@ -296,8 +306,9 @@ class Scheduler:
                 # token and of the n - 1 accepted drafts.
                 req.kv_committed += n
                 req.metrics.num_steps += 1
-                self.num_accepted_tokens += n
-                self.num_verify_rows += 1
+                if batch.draft:  # acceptance counts only steps that drafted
+                    self.num_accepted_tokens += n
+                    self.num_verify_rows += 1
                 new = list(zip(tokens[i][:n], logprobs[i][:n]))
             reason = None
             for tok, lp in new:

@@ -65,7 +65,7 @@ def greedy_accept_ref(draft_tokens, target_tokens, num_draft=None):
     return _emit(draft_tokens, a, final), a + 1
 
 
-def _inverse_cdf(w, u):
+def inverse_cdf(w, u):
     """Sample index of unnormalised weights w [B, V] with uniforms u [B].
 
     Index = #{v : cumsum(w)[v] <= u * sum(w)}, the first v whose cumulative
@@ -117,7 +117,7 @@ def rejection_sample_ref(target_probs, draft_probs, draft_tokens, uniforms,
     rows = jnp.arange(batch)
     p_a = target_probs[rows, a].astype(jnp.float32)  # [B, V]
     q_a = draft_probs[rows, jnp.minimum(a, k - 1)].astype(jnp.float32)  # [B, V]
-    final = _inverse_cdf(_residual_weights(p_a, q_a, bonus), sample_uniforms)
+    final = inverse_cdf(_residual_weights(p_a, q_a, bonus), sample_uniforms)
     return _emit(x, a, final), a + 1
 
 

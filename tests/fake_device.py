@@ -7,7 +7,8 @@ check that each write lands in a page that the request owns at launch time.
 Speculative mode (window > 1): a decode step writes the window's positions L .. L+W-1,
 plus `lookahead` positions after it (the EAGLE head's state sits one slot ahead) and
 `rewrite` positions before it (the draft model re-reads position L-1); the row gains a
-random accept length in 1..W, which the step returns next to the [B, W] tokens.
+random accept length in 1..W, which the step returns next to the [B, W] tokens. A batch
+that does not draft (ScheduledBatch.draft False: speculation paused) runs a window of one.
 """
 import numpy as np
 
@@ -49,7 +50,7 @@ class FakeDevice:
         return np.array(tokens), np.zeros(len(tokens)), writes
 
     def _run_speculative(self, batch):
-        W = self.window
+        W = self.window if batch.draft else 1
         writes = []
         tokens = self.rng.integers(1, self.vocab, size=(len(batch.rows), W))
         accept = self.rng.integers(1, W + 1, size=len(batch.rows))

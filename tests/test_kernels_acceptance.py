@@ -143,7 +143,7 @@ def _wrong(mode):
             w = p_a
         else:
             w = acc._residual_weights(p_a, q_a, a >= K)
-        return acc._emit(drafts, a, acc._inverse_cdf(w, su)), a + 1
+        return acc._emit(drafts, a, acc.inverse_cdf(w, su)), a + 1
     return sampler
 
 

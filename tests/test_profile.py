@@ -298,11 +298,18 @@ def test_profile_cli_writes_json_and_plots(tmp_path, capsys):
     out = tmp_path / "prof"
     rc = main(["profile", "--out", str(out), "--batch-size", "1", "2", "--prompt-len", "8", "--new-tokens", "10",
                "--steps", "4", "--repeats", "1", "--max-running-requests", "4", "--max-context-len", "64",
-               "--kv-cache-tokens", "512"])
+               "--kv-cache-tokens", "512", "--whole-run"])
     assert rc == 0
     rep = json.loads((out / "profile.json").read_text())
     assert [b["batch_size"] for b in rep["batches"]] == [1, 2]
     for b in rep["batches"]:
+        # The run traced whole: its prefill and all of its decode steps (10 tokens: the
+        # first from prefill, 9 decode steps, plus one the overlap loop launches before it
+        # sees the requests finish).
+        bd = b["bound"]
+        assert bd["steps"]["prefill"] >= 1 and bd["steps"]["decode"] >= 9
+        assert 0 < bd["prefill_busy_ms"] < bd["device_busy_ms"] <= bd["run_ms"]
+        assert bd["run_over_bound"] == pytest.approx(bd["run_ms"] / bd["device_busy_ms"])
         assert set(b["modes"]) == {"overlap", "normal"}
         for m in b["modes"].values():
             assert m["throughput_tok_s"] > 0 and m["tokens_per_run"] == b["batch_size"] * 10
@@ -314,6 +321,27 @@ def test_profile_cli_writes_json_and_plots(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "overlap" in table and "normal" in table and "gain" in table
     assert not os.path.exists(out / "trace_overlap_b1.json.gz")  # traces kept only when asked
+
+
+def test_bound_section_counts_device_busy_time_once_and_the_span_from_the_first_launch():
+    from jaxoverlap.profiling.capture import Run
+    from jaxoverlap.profiling.report import bound_section
+
+    def op(ts, dur, copy=False):
+        return trace.DeviceOp("k", ts, dur, "decode_step", None, None, "Stream", copy)
+
+    la = [trace.Launch(i, ts, 5.0, kind, 4, i, PY, ("decode_step",)) for i, (ts, kind) in enumerate([(0.0, "prefill"), (10.0, "decode")])]
+    # Prefill busy 20..60; decode 60..100 with a copy (50..70) that overlaps both; then a 10 us
+    # idle gap and the decode's last kernel 110..120.
+    steps = [trace.Step(la[0], [op(20.0, 40.0)]), trace.Step(la[1], [op(60.0, 40.0), op(50.0, 20.0, True),
+                                                                     op(110.0, 10.0)])]
+    a = trace.Attribution(steps, la, [], {}, "gpu")
+    bd = bound_section(Run("overlap", 1.0, 8, [], a))
+    assert bd["steps"] == {"prefill": 1, "decode": 1}
+    assert bd["device_busy_ms"] == pytest.approx(0.090)  # 20..100 and 110..120
+    assert bd["run_ms"] == pytest.approx(0.120)  # first launch at 0 to the last op's end
+    assert bd["prefill_busy_ms"] == pytest.approx(0.040)
+    assert bd["run_over_bound"] == pytest.approx(120 / 90)
 
 
 def test_timeline_intervals_merge_back_to_back_ops():

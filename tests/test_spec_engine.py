@@ -207,3 +207,84 @@ def test_padded_rows_never_touch_real_rows(name):
         else:
             np.testing.assert_array_equal(x[ps:], y[ps:], err_msg=name_)
     assert int(np.asarray(a.relay.seq_lens)[0]) == int(np.asarray(b.relay.seq_lens)[0]) == 0
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_speculation_paused_above_a_batch_size_gives_plain_greedy_output(name):
+    """Batches of more than two rows draft nothing, smaller ones draft: the workload's
+    staggered arrivals switch between the two many times, and the output is still plain
+    greedy decoding token for token. A drafter whose state the paused steps did not keep
+    would draft from a stale state after each switch: with the target as its own draft
+    model every drafting window must still be accepted whole."""
+    eng = spec_engine(name, speculative_disable_by_batch_size=2)
+    finals = run_workload(eng, workload(0))
+    assert {k: v.token_ids for k, v in finals.items()} == plain_outputs(0, True)
+    assert_drained(eng)
+    stats = eng.stats()
+    decode = [t for t in eng.timings if t.kind == "decode"]
+    assert stats["spec_paused_steps"] == sum(t.batch_size > 2 for t in decode) > 0
+    assert any(t.batch_size <= 2 for t in decode)
+    if name == "draft_is_target":
+        assert stats["accept_length"] > 3.5
+    if name == "ngram":  # a paused batch needs no host drafts, so it keeps the overlap
+        assert all(t.fresh_wait_s == 0 for t in decode if t.batch_size > 2)
+        assert any(t.fresh_wait_s > 0 for t in decode if t.batch_size <= 2)
+
+
+@pytest.mark.parametrize("name", ["eagle", "draft_model", "ngram_device"])
+def test_paused_step_leaves_the_state_of_a_step_whose_drafts_all_missed(name):
+    """The paused step (no draft slots) against the full step from the same state: for rows
+    whose drafts were all rejected, the new token, the relay and the drafter's state for
+    the next step are the same."""
+    import jax
+
+    from jaxoverlap import steps
+    from jaxoverlap.speculative.step import spec_decode_step
+
+    eng = spec_engine(name, disable_overlap=True)
+    prompts = ([5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [8, 8, 1, 2], [7, 6, 5, 4, 3, 2])
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"p{i}", prompt, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    while any(r.status.value != "running" or not r.output_ids for r in eng.requests.values()):
+        eng.step()
+    r = eng.runner
+    entries = np.array([req.entry for req in eng.requests.values()], np.int32)
+    empty = steps.Reservations.empty(4 * r.decode_pages_per_row)
+
+    def run(spec):
+        state = jax.tree.map(lambda x: jnp.array(x, copy=True), r.state)
+        return spec_decode_step(r.params, r.drafter.params, state, entries, empty, None, cfg=r.model_cfg, spec=spec,
+                                ctx_len=r.ctx_buckets[0], page_size=r.page_size, attention=r.attention, sampling=False)
+
+    before = r.state
+    full, out_full = run(r.spec)
+    paused, out_paused = run(r.paused_spec)
+    assert np.asarray(out_paused.tokens).shape == (4, 1)
+    np.testing.assert_array_equal(np.asarray(out_paused.accept_lens), 1)
+    missed = np.asarray(out_full.accept_lens) == 1
+    assert missed.any(), "the test needs a row whose drafts all missed"
+    rows, e = np.nonzero(missed)[0], entries[missed]
+    np.testing.assert_array_equal(np.asarray(out_paused.tokens)[rows, 0], np.asarray(out_full.tokens)[rows, 0])
+    np.testing.assert_allclose(np.asarray(out_paused.logprobs)[rows, 0], np.asarray(out_full.logprobs)[rows, 0],
+                               rtol=1e-5, atol=1e-6)
+    for field in ("seq_lens", "tokens", "draft_token", "last_token"):
+        np.testing.assert_array_equal(np.asarray(getattr(paused.relay, field))[e],
+                                      np.asarray(getattr(full.relay, field))[e], err_msg=field)
+    np.testing.assert_allclose(np.asarray(paused.relay.draft_hidden)[e], np.asarray(full.relay.draft_hidden)[e],
+                               rtol=1e-5, atol=1e-5)
+    L = np.asarray(before.relay.seq_lens)[e]
+    table = np.asarray(before.req_to_token)
+    if name == "ngram_device":  # the history now holds the input token at L
+        slots = table[e, L]
+        np.testing.assert_array_equal(np.asarray(paused.slot_tokens)[slots], np.asarray(full.slot_tokens)[slots])
+        np.testing.assert_array_equal(np.asarray(paused.slot_tokens)[slots], np.asarray(before.relay.tokens)[e])
+    if name == "draft_model":  # the K/V of L - 1 that the next step's drafts read
+        slots = table[e, L - 1]
+        for cache in ("draft_k_cache", "draft_v_cache"):
+            np.testing.assert_allclose(np.asarray(getattr(paused, cache))[:, slots],
+                                       np.asarray(getattr(full, cache))[:, slots], rtol=1e-5, atol=1e-5)
+    if name == "eagle":  # the head's state for position L sits in the slot of L + 1
+        slots = table[e, L + 1]
+        for cache in ("draft_k_cache", "draft_v_cache"):
+            np.testing.assert_allclose(np.asarray(getattr(paused, cache))[:, slots],
+                                       np.asarray(getattr(full, cache))[:, slots], rtol=1e-5, atol=1e-5)

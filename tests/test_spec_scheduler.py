@@ -17,11 +17,12 @@ from jaxoverlap.speculative.ngram_index import NgramIndex
 
 
 def make(num_pages, page_size=4, window=4, lookahead=0, rewrite=0, max_running=4, max_context=64, prefix=True,
-         stop_ids=()):
+         stop_ids=(), draft_max_rows=None):
     width = -(-max_context // page_size) * page_size
     cfg = SchedulerConfig(page_size=page_size, max_running=max_running, chunked_prefill_size=15,
                           max_prefill_requests=4, max_context_len=max_context, table_width=width, window=window,
-                          lookahead=lookahead, cache_lag=rewrite, resume_with_last_token=True)
+                          lookahead=lookahead, cache_lag=rewrite, resume_with_last_token=True,
+                          draft_max_rows=draft_max_rows)
     sched = Scheduler(cfg, PageAllocator(num_pages, page_size), EntryAllocator(max_running),
                       PrefixCache(page_size, prefix), eos_token_ids=frozenset(stop_ids))
     dev = FakeDevice(max_running + 1, width, page_size, window=window, lookahead=lookahead, rewrite=rewrite)
@@ -38,13 +39,15 @@ def make(num_pages, page_size=4, window=4, lookahead=0, rewrite=0, max_running=4
     overlap=st.booleans(),
     prefix=st.booleans(),
     seed=st.integers(0, 1000),
+    draft_max_rows=st.one_of(st.none(), st.integers(1, 4)),
 )
 def test_property_speculative_reservations_cover_every_write(lens, num_pages, page_size, window, drafter, overlap,
-                                                             prefix, seed):
-    """Random prompts, outputs, arrivals, cache sizes and accept lengths 1..window: no step
-    writes a slot outside its request's reserved row, everything completes, nothing leaks."""
+                                                             prefix, seed, draft_max_rows):
+    """Random prompts, outputs, arrivals, cache sizes and accept lengths 1..window, with
+    speculation paused above a random batch size: no step writes a slot outside its
+    request's reserved row, everything completes, nothing leaks."""
     lookahead, rewrite = {"eagle": (1, 0), "draft_model": (0, 1), "ngram": (0, 0)}[drafter]
-    sched, dev = make(num_pages, page_size, window, lookahead, rewrite, prefix=prefix)
+    sched, dev = make(num_pages, page_size, window, lookahead, rewrite, prefix=prefix, draft_max_rows=draft_max_rows)
     dev.rng = np.random.default_rng(seed)
     arrivals, reqs = {}, []
     for i, (n_prompt, n_new, at) in enumerate(lens):
@@ -105,6 +108,33 @@ def test_max_new_tokens_inside_a_window_and_late_rows_dropped():
     sched.process(b2, np.array([[1, 2, 3, 4]]), np.zeros((1, 4)), np.array([4]))  # one step late: dropped
     assert len(r.output_ids) == 3
     assert sched.num_accepted_tokens == 4 and sched.num_verify_rows == 1
+
+
+def test_batches_above_the_draft_limit_do_not_draft_and_do_not_count_as_verified():
+    sched, dev = make(64, window=4, draft_max_rows=1)
+    a, b = req(0, 5, 50), req(1, 6, 2)  # b: one token from prefill, one from the next step
+    _admit_and_prefill(sched, dev, a)
+    one = sched.schedule()
+    assert one.kind == "decode" and one.draft  # one row: at the limit, drafts
+    dev.run(one)
+    sched.process(one, np.array([[5, 6, 8, 9]]), np.zeros((1, 4)), np.array([3]))
+    _admit_and_prefill(sched, dev, b)
+    two = sched.schedule()
+    assert two.size == 2 and not two.draft  # above the limit: paused
+    dev.run(two)
+    sched.process(two, np.array([[4], [2]]), np.zeros((2, 1)), np.array([1, 1]))
+    assert a.output_ids[-4:] == [5, 6, 8, 4] and b.output_ids[-1] == 2
+    # Acceptance counts the drafting step only; the paused one is counted apart.
+    assert (sched.num_accepted_tokens, sched.num_verify_rows, sched.num_paused_steps) == (3, 1, 1)
+    assert b.finish_reason == "length"  # one row again: drafting resumes
+    assert sched.schedule().draft
+
+
+def test_plain_decoding_never_drafts():
+    sched, dev = make(64, window=1, draft_max_rows=None)
+    _admit_and_prefill(sched, dev, req(0, 5, 5))
+    batch = sched.schedule()
+    assert batch.kind == "decode" and not batch.draft and sched.num_paused_steps == 0
 
 
 def test_retracted_request_resumes_from_its_last_token():

@@ -64,3 +64,30 @@ def test_the_check_can_fail():
     finally:
         COUNTER.active = False
     assert COUNTER.count > 0
+
+
+def test_warmup_with_speculation_paused_above_a_batch_size():
+    """Above speculative_disable_by_batch_size the decode step is the paused program: the
+    warm-up compiles, per batch bucket, the variants that bucket's sizes can need and no
+    other, and a run whose batch crosses the limit compiles nothing."""
+    eng = make_engine(batch_buckets=(1, 2, 4), max_running_requests=4, max_context_len=64, disable_prefix_cache=True,
+                      speculative_algorithm="ngram_device", speculative_disable_by_batch_size=2)
+    eng.set_overlap(False)
+    first = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    run_workload(eng, {0: [(f"w{i}", [5, 6, 7, 8, 9], first) for i in range(3)]})  # compiles the prefill
+    eng.set_overlap(True)
+    report = eng.warmup()
+    ctx = eng.runner.decode_ctx_buckets
+    # Bucket 4 holds 3 or 4 rows, both above the limit: only its paused program.
+    assert sorted((x["batch"], x["ctx_len"], x["draft"]) for x in report) == sorted(
+        (b, c, d) for b, d in ((1, True), (2, True), (4, False)) for c in ctx)
+    COUNTER.active, COUNTER.count = True, 0
+    try:
+        finals = run_workload(eng, {0: [(f"r{i}", [5, 6, 7, 8, 9], SamplingParams(
+            max_new_tokens=n, temperature=0.0, ignore_eos=True)) for i, n in enumerate((4, 10, 16))]})
+    finally:
+        COUNTER.active = False
+    assert [len(finals[f"r{i}"].token_ids) for i in range(3)] == [4, 10, 16]
+    sizes = {t.batch_size for t in eng.timings if t.kind == "decode"}
+    assert {1, 2, 3} <= sizes and eng.stats()["spec_paused_steps"] > 0
+    assert COUNTER.count == 0, f"{COUNTER.count} programs compiled after the warm-up"

@@ -125,6 +125,7 @@ class BatchResult:
     workload: Workload
     timed: dict[str, list[Run]]  # mode -> timed runs (untraced)
     traced: dict[str, Run]  # mode -> the traced run
+    whole: Run | None = None  # overlap loop traced from its first step to its end (whole_run=True)
 
 
 def decode_programs(engine: Engine, w: Workload) -> tuple[list[int], list[int]]:
@@ -142,11 +143,16 @@ def decode_programs(engine: Engine, w: Workload) -> tuple[list[int], list[int]]:
     return ([b for b in r.batch_buckets if b <= top_batch], [c for c in r.decode_ctx_buckets if c <= top_ctx])
 
 
+# Traces a run from its first loop iteration (prefill included) to its end.
+WHOLE_RUN = TraceWindow(steps=1 << 30, skip=0)
+
+
 def profile(engine: Engine, workloads: list[Workload], *, repeats: int = 3, window: TraceWindow = TraceWindow(8),
-            keep_traces: str | None = None, log=print) -> list[BatchResult]:
+            keep_traces: str | None = None, whole_run: bool = False, log=print) -> list[BatchResult]:
     """For each workload: the decode programs it can meet compiled ahead (`decode_programs`),
     a warm-up run per loop (compiles the rest), `repeats` timed runs per loop (the loops
-    alternate, so drift hits both alike), then one traced run per loop."""
+    alternate, so drift hits both alike), then one traced run per loop; with `whole_run`,
+    also one overlap run traced whole, for the device-only bound (report.bound_section)."""
     runner = WorkloadRunner(engine)
     results = []
     for w in workloads:
@@ -180,5 +186,14 @@ def profile(engine: Engine, workloads: list[Workload], *, repeats: int = 3, wind
             a = run.attribution
             log(f"  B={w.batch_size} {mode:7s} traced: {len(a.steps)} steps, {sum(len(s.ops) for s in a.steps)} "
                 f"device ops placed by {a.methods}, {len(a.unplaced)} unplaced")
-        results.append(BatchResult(w, timed, traced))
+        whole = None
+        if whole_run:
+            tmp = tempfile.mkdtemp(prefix="jaxoverlap-trace-")
+            try:
+                whole = runner.run(w, "overlap", WHOLE_RUN, tmp)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            whole.trace_file = None
+            log(f"  B={w.batch_size} overlap traced whole: {len(whole.attribution.steps)} steps")
+        results.append(BatchResult(w, timed, traced, whole))
     return results

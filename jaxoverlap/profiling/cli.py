@@ -18,6 +18,8 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=3, help="timed runs per loop for throughput")
     g.add_argument("--keep-traces", action="store_true", help="copy the raw traces into --out")
     g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--whole-run", action="store_true",
+                   help="also trace one overlap run whole, prefill included: the run against the device-only bound")
 
 
 def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
@@ -40,7 +42,7 @@ def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
           f"batch {args.batch_size}, prompt {args.prompt_len}, {args.new_tokens} new tokens", file=sys.stderr)
     results = capture.profile(engine, workloads, repeats=args.repeats,
                               window=capture.TraceWindow(args.steps, args.skip),
-                              keep_traces=args.out if args.keep_traces else None,
+                              keep_traces=args.out if args.keep_traces else None, whole_run=args.whole_run,
                               log=lambda s: print(s, file=sys.stderr))
     meta = {
         "model": engine.model_name, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,

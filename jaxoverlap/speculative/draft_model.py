@@ -60,6 +60,19 @@ def propose(dp: ModelParams, dcfg: ModelConfig, k_cache, v_cache, req_to_token, 
     return jnp.stack(drafts, axis=1), (lambda: jnp.stack(qs, axis=1)), k_cache, v_cache
 
 
+def write_last(dp: ModelParams, dcfg: ModelConfig, k_cache, v_cache, req_to_token, relay, *, entries, lens,
+               ctx_len, attention):
+    """A step that drafts nothing still owes the draft model's K/V at L - 1 (the token
+    before the bonus; see `propose`'s first pass): one draft-model pass over that token.
+    Returns (k_cache, v_cache)."""
+    positions = (lens - 1)[:, None]  # [B, 1]
+    q_valid = (entries != 0)[:, None] & (positions >= 0)
+    _, k_cache, v_cache = forward(dp, dcfg, k_cache, v_cache, req_to_token, tokens=relay.last_token[entries][:, None],
+                                  positions=positions, entries=entries, q_valid=q_valid, kv_lens=lens,
+                                  ctx_len=ctx_len, attention=attention)
+    return k_cache, v_cache
+
+
 def last_token(window: jnp.ndarray, accept_len: jnp.ndarray) -> jnp.ndarray:
     """The token at the new length - 1 (= L + a): window [B, W] = [t_L, d_1 .. d_k] -> [B]."""
     return jnp.take_along_axis(window, (accept_len - 1)[:, None], axis=1)[:, 0]

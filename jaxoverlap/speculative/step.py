@@ -102,7 +102,8 @@ def spec_decode_step(
     sampling: bool = True,
 ):
     """One speculative step for B rows, everything but the host n-gram drafts read from
-    the relay. Returns (state, SpecStepOutput)."""
+    the relay. Returns (state, SpecStepOutput). `spec.num_draft == 0` is the paused step:
+    a window of one (a plain decode step) that still updates the drafter's state."""
     req_to_token = apply_reservations(state.req_to_token, res, page_size)
     relay = state.relay
     B, k = entries.shape[0], spec.num_draft
@@ -116,9 +117,16 @@ def spec_decode_step(
     common = dict(ctx_len=ctx_len, attention=attention)
     drafting = dict(sp=sp, sampling=sampling, **common)
 
-    # 1. Draft passes.
+    # 1. Draft passes. With speculation paused (k = 0: a large batch, where verifying
+    # drafts costs more than it gains) nothing is drafted, and the drafter only keeps its
+    # state up to date below, so that drafting can resume at any later step.
     draft_probs = None
-    if spec.algorithm == "eagle":
+    if k == 0:
+        drafts, counts = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
+        if spec.algorithm == "draft_model":  # the K/V of L - 1 that the first draft pass would write
+            dk, dv = draft_model.write_last(dparams, spec.draft_cfg, dk, dv, req_to_token, relay, entries=entries,
+                                            lens=lens, **common)
+    elif spec.algorithm == "eagle":
         drafts, draft_probs, dk, dv = eagle.propose(dparams, spec.draft_cfg, params, dk, dv, req_to_token, relay,
                                                     entries=entries, lens=lens, num_draft=k, **drafting)
         counts = jnp.where(real, k, 0)

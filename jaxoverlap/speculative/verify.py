@@ -114,6 +114,8 @@ def accept(
     """
     B, W, V = logits.shape
     k = W - 1
+    if k == 0:
+        return _no_drafts(logits, sp, lens, sampling=sampling)
     target_argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, W]
     tokens, accept_len = acceptance.greedy_accept(drafts, target_argmax, num_draft, backend=backend)
     if sampling:
@@ -129,3 +131,18 @@ def accept(
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, W, V]
     logprobs = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]  # [B, W]
     return tokens, accept_len.astype(jnp.int32), logprobs
+
+
+def _no_drafts(logits: jax.Array, sp: SamplingRows, lens: jax.Array, *, sampling: bool):
+    """The window of a step with speculation paused (no draft slots): the input token alone.
+    Its one new token is the bonus of a window whose drafts were all rejected, drawn with
+    the same key (FINAL of L), so a paused step gives what a step whose drafts all miss gives."""
+    B, _, V = logits.shape
+    tokens = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B]
+    if sampling:
+        p = filtered_probs(logits[:, 0], sp)  # [B, V]
+        su = jax.vmap(lambda key: jax.random.uniform(key))(row_keys(sp.seed, lens, TAG_FINAL))  # [B]
+        tokens = jnp.where(sp.temperature > 0, acceptance.inverse_cdf(p, su).astype(jnp.int32), tokens)
+    logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)  # [B, V]
+    logprobs = jnp.take_along_axis(logp, tokens[:, None], axis=-1)  # [B, 1]
+    return tokens[:, None], jnp.ones((B,), jnp.int32), logprobs
