@@ -205,8 +205,8 @@ def main():
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
             "commit": commit, "weight_bytes": weight_bytes, "args": vars(args)}
     rows, plain_ms = [], {}
-    cols = ["backend", "batch", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms", "device_accept",
-            "ms_per_token", "speedup_vs_plain", "overlap_period_ms", "normal_period_ms", "overlap_tok_s",
+    cols = ["backend", "batch", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms",
+            "device_accept", "ms_per_token", "speedup_vs_plain", "overlap_period_ms", "normal_period_ms", "overlap_tok_s",
             "normal_tok_s", "host_total_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
     for backend, algo in [(b, a) for b in args.attention_backend for a in args.algos]:
         tc = time.perf_counter()

@@ -231,6 +231,24 @@ def test_speculation_paused_above_a_batch_size_gives_plain_greedy_output(name):
         assert any(t.fresh_wait_s > 0 for t in decode if t.batch_size <= 2)
 
 
+def test_sampled_rows_with_speculation_paused_are_identical_with_and_without_overlap():
+    """The paused program's sampler: sampled rows still depend only on (seed, position), so
+    both loops give the same tokens, and the greedy rows still equal plain decoding."""
+    plain = plain_outputs(1, False)
+    outs = []
+    for overlap in (True, False):
+        eng = spec_engine("ngram_device", disable_overlap=not overlap, speculative_disable_by_batch_size=2)
+        outs.append({k: v.token_ids for k, v in run_workload(eng, workload(1, greedy=False)).items()})
+        assert_drained(eng)
+        assert eng.stats()["spec_paused_steps"] > 0
+    params = {rid: p for reqs in workload(1, greedy=False).values() for rid, _, p in reqs}
+    assert any(p.temperature > 0 for p in params.values())
+    for rid, p in params.items():
+        assert outs[0][rid] == outs[1][rid], rid
+        if p.temperature == 0:
+            assert outs[0][rid] == plain[rid], rid
+
+
 @pytest.mark.parametrize("name", ["eagle", "draft_model", "ngram_device"])
 def test_paused_step_leaves_the_state_of_a_step_whose_drafts_all_missed(name):
     """The paused step (no draft slots) against the full step from the same state: for rows

@@ -137,7 +137,7 @@ def _no_drafts(logits: jax.Array, sp: SamplingRows, lens: jax.Array, *, sampling
     """The window of a step with speculation paused (no draft slots): the input token alone.
     Its one new token is the bonus of a window whose drafts were all rejected, drawn with
     the same key (FINAL of L), so a paused step gives what a step whose drafts all miss gives."""
-    B, _, V = logits.shape
+    B = logits.shape[0]
     tokens = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B]
     if sampling:
         p = filtered_probs(logits[:, 0], sp)  # [B, V]
