@@ -50,7 +50,35 @@ VARIANTS = {
     **{f"update_{mode.lower()}": f"--xla_gpu_command_buffer_update_mode={mode}"
        for mode in ("NEVER_UPDATE", "CAPTURE_CMD_NEVER_UPDATE", "SKIP_TEMP", "SKIP_PROFILED", "VMM_PERSISTENT_TEMP")},
     "va_remap": "--xla_gpu_enable_command_buffer_va_remapping=true",
+    "vlog_update": "",  # default flags, with XLA's command-buffer logging on (VARIANT_ENV)
 }
+# Environment beyond XLA_FLAGS. vlog_update: XLA's logs of when and why it updates the step's
+# CUDA graph (C++ VLOG of the command-buffer thunk and of the graph itself); `_vlog_summary`
+# counts them per call.
+VARIANT_ENV = {
+    "vlog_update": {"TF_CPP_MIN_LOG_LEVEL": "0",
+                    "TF_CPP_VMODULE": "command_buffer_thunk=3,command_buffer_cmd=2,command_buffer_cmd_emitter=2,"
+                                      "gpu_command_buffer=2,cuda_command_buffer=2,command_buffer_conversion_pass=2"},
+}
+
+
+def _vlog_summary(stderr: str, top: int = 40) -> dict:
+    """XLA's log lines, grouped with their numbers blanked out: how often each message came,
+    with one example of it (the first). Lines are matched loosely (any VLOG from the modules
+    above), so the summary shows whatever this XLA version logs."""
+    import re
+
+    groups: dict[str, list] = {}
+    for line in stderr.splitlines():
+        m = re.match(r"^[IWE]\d{4} [\d:.]+\s+\d+ (\S+?):\d+\] (.*)$", line)
+        if not m:
+            continue
+        key = m.group(1) + ": " + re.sub(r"0x[0-9a-f]+|\d+", "N", m.group(2))[:160]
+        g = groups.setdefault(key, [0, line[:400]])
+        g[0] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"lines": sum(g[0] for g in groups.values()),
+            "messages": [{"count": c, "pattern": k, "example": ex} for k, (c, ex) in ranked]}
 
 
 def _trace_summary(trace_dir: str, steps: int) -> dict:
@@ -377,7 +405,8 @@ def main():
         return
     results = []
     for name in args.variants:
-        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip())
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip(),
+                   **VARIANT_ENV.get(name, {}))
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", name, "--iters", str(args.iters),
                "--attention-backend", args.attention_backend, "--batches", *map(str, args.batches)]
         if args.trace_dir:
@@ -396,13 +425,17 @@ def main():
             lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
             if lines:
                 results.append(json.loads(lines[-1][7:]))
+                if name in VARIANT_ENV:
+                    results[-1]["vlog"] = _vlog_summary(p.stderr)
+                    for m in results[-1]["vlog"]["messages"][:15]:
+                        print(f"  vlog {m['count']:7d}  {m['pattern']}", flush=True)
             else:
                 # The cause is usually one line near the top (an unknown flag, a bad value),
                 # followed by the whole flag help: keep those lines and the tail.
                 keys = ("Unknown", "unknown", "update_mode", "Check failed", "Error", "rror:")
                 lines = [ln for ln in p.stderr.splitlines() if any(k in ln for k in keys)][:10]
                 results.append({"variant": name, "error": "\n".join(lines + [p.stderr[-1500:]])})
-            print(p.stdout[-4000:], p.stderr[-1500:] if p.returncode else "", flush=True)
+            print(p.stdout[-4000:], p.stderr[-1500:] if p.returncode or name in VARIANT_ENV else "", flush=True)
         except subprocess.TimeoutExpired as e:
             results.append({"variant": name, "error": f"timeout after {args.timeout_s}s"})
             print((e.stdout or b"")[-3000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-3000:], flush=True)

@@ -57,6 +57,7 @@ class StepTiming:
     draft_s: float = 0.0
     accepted_tokens: int = 0  # tokens the processed speculative step gained (all rows)
     verify_rows: int = 0  # live rows of the processed speculative step
+    start_s: float = 0.0  # time.perf_counter() at the iteration's start (where a run's edges lie)
 
 
 def _resolve_dtype(name: str):
@@ -308,7 +309,7 @@ class Engine:
         t2 = time.perf_counter()
         prev, self._inflight = self._inflight, launched
         wait_s, outputs = self._process(prev)  # waits for step N only
-        self._record(batch, t1 - t0, t2 - t1b, wait_s, time.perf_counter() - t2 - wait_s, fresh_s)
+        self._record(batch, t1 - t0, t2 - t1b, wait_s, time.perf_counter() - t2 - wait_s, fresh_s, start_s=t0)
         return early + outputs
 
     def _step_normal(self) -> list[RequestOutput]:
@@ -318,7 +319,7 @@ class Engine:
         launched = self._launch(batch) if batch is not None else None
         t2 = time.perf_counter()
         wait_s, outputs = self._process(launched)  # waits for the step just launched
-        self._record(batch, t1 - t0, t2 - t1, wait_s, time.perf_counter() - t2 - wait_s)
+        self._record(batch, t1 - t0, t2 - t1, wait_s, time.perf_counter() - t2 - wait_s, start_s=t0)
         return outputs
 
     def _launch(self, batch) -> LaunchedStep:
@@ -349,13 +350,13 @@ class Engine:
         finished = self.scheduler.poll_finished()
         return wait_s, self._make_outputs(updated, finished)
 
-    def _record(self, batch, prepare_s, launch_s, wait_s, process_s, fresh_wait_s=0.0) -> None:
+    def _record(self, batch, prepare_s, launch_s, wait_s, process_s, fresh_wait_s=0.0, *, start_s=0.0) -> None:
         kind, size = (batch.kind, batch.size) if batch is not None else ("", 0)
         draft_s = self.runner.last_draft_s if batch is not None and self.runner.needs_host_results(batch) else 0.0
         accepted, rows = self._accepted
         self._accepted = (0, 0)
         self.timings.append(StepTiming(kind, size, prepare_s, launch_s, wait_s, process_s, fresh_wait_s, draft_s,
-                                       accepted, rows))
+                                       accepted, rows, start_s))
 
     # -- outputs ----------------------------------------------------------------------------------
     def _check_stop_strings(self, req: Request) -> str | None:

@@ -310,6 +310,11 @@ def test_profile_cli_writes_json_and_plots(tmp_path, capsys):
         assert bd["steps"]["prefill"] >= 1 and bd["steps"]["decode"] >= 9
         assert 0 < bd["prefill_busy_ms"] < bd["device_busy_ms"] <= bd["run_ms"]
         assert bd["run_over_bound"] == pytest.approx(bd["run_ms"] / bd["device_busy_ms"])
+        # Busy and idle moments tile the run.
+        assert bd["device_busy_ms"] + sum(v["ms"] for v in bd["idle"].values()) == pytest.approx(bd["run_ms"])
+        e = b["modes"]["overlap"]["edges"]
+        assert e["runs"] == 1 and e["head_ms"] > 0 and e["tail_ms"] >= 0 and e["middle_ms"] > 0
+        assert e["head_ms"] + e["middle_ms"] + e["tail_ms"] == pytest.approx(e["wall_ms"])
         assert set(b["modes"]) == {"overlap", "normal"}
         for m in b["modes"].values():
             assert m["throughput_tok_s"] > 0 and m["tokens_per_run"] == b["batch_size"] * 10
@@ -342,6 +347,49 @@ def test_bound_section_counts_device_busy_time_once_and_the_span_from_the_first_
     assert bd["run_ms"] == pytest.approx(0.120)  # first launch at 0 to the last op's end
     assert bd["prefill_busy_ms"] == pytest.approx(0.040)
     assert bd["run_over_bound"] == pytest.approx(120 / 90)
+    # 0..20 before the first op; 100..110 between two kernels of the decode step (the copy
+    # that starts in the prefill and ends in the decode hands the time on to the decode).
+    assert bd["idle"] == {"head": pytest.approx({"ms": 0.020, "count": 1, "max_ms": 0.020}),
+                          "inside decode": pytest.approx({"ms": 0.010, "count": 1, "max_ms": 0.010})}
+
+
+def test_idle_breakdown_labels_gaps_between_steps_by_their_kinds():
+    from jaxoverlap.profiling.report import idle_breakdown
+
+    def op(ts, dur):
+        return trace.DeviceOp("k", ts, dur, "step", None, None, "Stream", False)
+
+    kinds = ["prefill", "prefill", "decode", "decode"]
+    la = [trace.Launch(i, 2.0 * i, 1.0, k, 4, i, PY, ("step",)) for i, k in enumerate(kinds)]
+    # prefill 10..30, prefill 32..50 (2 idle), decode 55..70 (5 idle), decode 71..80 (1 idle).
+    spans = [(10.0, 20.0), (32.0, 18.0), (55.0, 15.0), (71.0, 9.0)]
+    steps = [trace.Step(l, [op(ts, d)]) for l, (ts, d) in zip(la, spans)]
+    idle = idle_breakdown(trace.Attribution(steps, la, [], {}, "gpu"), 0.0)
+    assert set(idle) == {"head", "prefill->prefill", "prefill->decode", "decode->decode"}
+    assert idle["head"]["ms"] == pytest.approx(0.010)
+    assert idle["prefill->prefill"]["ms"] == pytest.approx(0.002)
+    assert idle["prefill->decode"]["ms"] == pytest.approx(0.005)
+    assert idle["decode->decode"]["ms"] == pytest.approx(0.001)
+
+
+def test_edges_section_splits_the_wall_at_the_first_launch_and_the_last_wait():
+    from jaxoverlap.engine import StepTiming
+    from jaxoverlap.profiling.capture import Run
+    from jaxoverlap.profiling.report import edges_section
+
+    t0 = 100.0
+    timings = [
+        # kind, size, prepare, launch, wait, process, fresh, draft, accepted, rows, start
+        StepTiming("prefill", 2, 0.001, 0.002, 0.0, 0.0005, 0.0, 0.0, 0, 0, t0 + 0.001),
+        StepTiming("decode", 2, 0.001, 0.002, 0.005, 0.0005, 0.0, 0.0, 0, 0, t0 + 0.010),
+        StepTiming("decode", 2, 0.001, 0.002, 0.00001, 0.0005, 0.0, 0.0, 0, 0, t0 + 0.020),
+        StepTiming("", 0, 0.0001, 0.0, 0.05, 0.001, 0.0, 0.0, 0, 0, t0 + 0.9),
+    ]
+    e = edges_section([Run("overlap", 1.0, 4, timings, start_s=t0)])
+    assert e["head_ms"] == pytest.approx(4.0)  # 1 ms in, 1 ms prepare, 2 ms launch
+    assert e["tail_ms"] == pytest.approx(1000 * (1.0 - 0.9501))  # after the drain's wait
+    assert e["head_ms"] + e["middle_ms"] + e["tail_ms"] == pytest.approx(1000.0)
+    assert e["near_zero_waits"] == 1  # the second decode iteration's 10 us wait
 
 
 def test_timeline_intervals_merge_back_to_back_ops():

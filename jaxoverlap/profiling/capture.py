@@ -46,6 +46,7 @@ class Run:
     timings: list[StepTiming]
     attribution: trace_mod.Attribution | None = None  # traced runs only
     trace_file: str | None = None  # kept trace (when asked for)
+    start_s: float = 0.0  # time.perf_counter() when the loop started (timings' start_s is on this clock)
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,7 +92,7 @@ class WorkloadRunner:
         if tracing:  # the workload ended inside the window
             _stop_trace(engine)
         wall = time.perf_counter() - t0
-        run = Run(mode, wall, engine.tokens_generated - tokens0, list(engine.timings))
+        run = Run(mode, wall, engine.tokens_generated - tokens0, list(engine.timings), start_s=t0)
         if window is not None:
             if traced == 0:
                 raise RuntimeError(f"the workload never reached {window.skip} decode steps in a row: "

@@ -146,17 +146,83 @@ def bound_section(run: Run) -> dict:
     included): the bound is the time the device is busy (union of every op of every step),
     the run is the time from the first launch's start to the last op's end. The same trace
     gives both, so the tracer's cost on the device counts on both sides; the host work
-    before the first launch (schedule, prefill arrays: well under a millisecond) is left out."""
+    before the first launch (schedule, prefill arrays: well under a millisecond) is left out.
+    `idle` says where the rest of the run went (`idle_breakdown`)."""
     a = run.attribution
     ops = [o for st in a.steps for o in st.ops] + list(a.unplaced)
     if not ops or not a.launches:
         return {}
     busy = union_length([(o.ts, o.end) for o in ops])
-    span = max(o.end for o in ops) - min(la.ts for la in a.launches)
+    t0 = min(la.ts for la in a.launches)
+    span = max(o.end for o in ops) - t0
     kinds = collections.Counter(st.launch.kind for st in a.steps)
     return {"steps": dict(kinds), "device_busy_ms": busy / 1e3, "run_ms": span / 1e3,
             "run_over_bound": span / busy if busy > 0 else None,
-            "prefill_busy_ms": sum(st.busy for st in a.steps if st.launch.kind == "prefill") / 1e3}
+            "prefill_busy_ms": sum(st.busy for st in a.steps if st.launch.kind == "prefill") / 1e3,
+            "idle": idle_breakdown(a, t0)}
+
+
+def idle_breakdown(a: Attribution, t0: float) -> dict:
+    """Every moment between `t0` (the first launch) and the last op in which no op runs,
+    labelled by the steps around it, in ms: "head" (before the first op), "inside <kind>"
+    (between two ops of one step), "<kind>-><kind>" (between the last op of one step and
+    the first of another). With `bound_section`'s busy time they add up to its run time."""
+    ops = sorted((o.ts, o.end, st.launch.index, st.launch.kind) for st in a.steps for o in st.ops)
+    ops += [(o.ts, o.end, -1, "unplaced") for o in a.unplaced]
+    ops.sort()
+    out: dict[str, dict] = {}
+
+    def add(label, dur):
+        if dur <= 0:
+            return
+        d = out.setdefault(label, {"ms": 0.0, "count": 0, "max_ms": 0.0})
+        d["ms"] += dur / 1e3
+        d["count"] += 1
+        d["max_ms"] = max(d["max_ms"], dur / 1e3)
+
+    if not ops:
+        return out
+    add("head", ops[0][0] - t0)
+    cur_end, cur_index, cur_kind = ops[0][1], ops[0][2], ops[0][3]
+    for ts, end, index, kind in ops[1:]:
+        if ts > cur_end:
+            add(f"inside {kind}" if index == cur_index else f"{cur_kind}->{kind}", ts - cur_end)
+        if end >= cur_end:  # the op that ends last owns the time up to the next idle moment
+            cur_end, cur_index, cur_kind = end, index, kind
+    return out
+
+
+def edges_section(runs: list[Run]) -> dict:
+    """Where an untraced run's wall time lies around its steps, from the host clock (medians
+    over the runs, ms). head: loop start to the end of the first launch (the device has
+    nothing to run before); tail: the end of the last wait for a step's outputs (the device
+    is done) to the loop's end; middle: the rest, the device's time plus any idle moment in
+    it. near_zero_waits: decode iterations (after the first) whose wait was under 20 us,
+    the only ones after which the device can have been idle under overlap."""
+    heads, tails, middles, walls, zeros = [], [], [], [], []
+    for r in runs:
+        t = [x for x in r.timings if x.start_s > 0]
+        if not t or r.start_s <= 0:
+            continue
+        first = t[0]
+        head = first.start_s + first.prepare_s + first.fresh_wait_s + first.launch_s - r.start_s
+        waited = [x for x in t if x.wait_s > 0]
+        last = max((x.start_s + x.prepare_s + x.fresh_wait_s + x.launch_s + x.wait_s for x in waited), default=None)
+        if last is None:
+            continue
+        tail = r.start_s + r.wall_s - last
+        heads.append(head)
+        tails.append(tail)
+        walls.append(r.wall_s)
+        middles.append(r.wall_s - head - tail)
+        decode = [x for x in t if x.kind == "decode"][1:]
+        zeros.append(sum(x.wait_s < 20e-6 for x in decode))
+    if not walls:
+        return {}
+    med = lambda v: float(np.median(v)) * 1e3  # noqa: E731
+    return {"runs": len(walls), "wall_ms": med(walls), "head_ms": med(heads), "tail_ms": med(tails),
+            "middle_ms": med(middles), "wall_over_middle": float(np.median([w / m for w, m in zip(walls, middles)])),
+            "near_zero_waits": int(np.median(zeros))}
 
 
 def build(results: list[BatchResult], meta: dict) -> dict:
@@ -174,6 +240,7 @@ def build(results: list[BatchResult], meta: dict) -> dict:
                 "host": host_section(timed or [traced]),
                 "device": device_section(traced.attribution),
                 "timeline": timeline_section(traced),
+                "edges": edges_section(timed),
                 "trace_file": traced.trace_file,
             }
         for m in modes.values():
@@ -227,4 +294,12 @@ def table(report: dict) -> str:
             lines.append(f"B={b['batch_size']} overlap run traced whole ({bd['steps']}): first launch to last op "
                          f"{bd['run_ms']:.3f} ms, device busy {bd['device_busy_ms']:.3f} ms (prefill "
                          f"{bd['prefill_busy_ms']:.3f}): run / device-only bound = {bd['run_over_bound']:.4f}")
+            idle = ", ".join(f"{k} {v['ms']:.3f} ({v['count']}x, max {v['max_ms']:.3f})"
+                             for k, v in sorted(bd.get("idle", {}).items(), key=lambda kv: -kv[1]["ms"]))
+            lines.append(f"  device idle in that run, ms: {idle or 'none'}")
+        e = b["modes"].get("overlap", {}).get("edges")
+        if e:
+            lines.append(f"B={b['batch_size']} overlap, untraced ({e['runs']} runs): wall {e['wall_ms']:.3f} ms = head "
+                         f"{e['head_ms']:.3f} + middle {e['middle_ms']:.3f} + tail {e['tail_ms']:.3f}; "
+                         f"wall / middle = {e['wall_over_middle']:.4f}; waits under 20 us: {e['near_zero_waits']}")
     return "\n".join(lines)
