@@ -51,6 +51,7 @@ VARIANTS = {
        for mode in ("NEVER_UPDATE", "CAPTURE_CMD_NEVER_UPDATE", "SKIP_TEMP", "SKIP_PROFILED", "VMM_PERSISTENT_TEMP")},
     "va_remap": "--xla_gpu_enable_command_buffer_va_remapping=true",
     "vlog_update": "",  # default flags, with XLA's command-buffer logging on (VARIANT_ENV)
+    "vlog_thunk": "",
 }
 # Environment beyond XLA_FLAGS. vlog_update: XLA's logs of when and why it updates the step's
 # CUDA graph (C++ VLOG of the command-buffer thunk and of the graph itself); `_vlog_summary`
@@ -59,6 +60,9 @@ VARIANT_ENV = {
     "vlog_update": {"TF_CPP_MIN_LOG_LEVEL": "0",
                     "TF_CPP_VMODULE": "command_buffer_thunk=3,command_buffer_cmd=2,command_buffer_cmd_emitter=2,"
                                       "gpu_command_buffer=2,cuda_command_buffer=2,command_buffer_conversion_pass=2"},
+    # Everything the thunk logs (which allocations changed, where this XLA says so); no
+    # per-node lines, which would drown it.
+    "vlog_thunk": {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "command_buffer_thunk=10,command_buffer_cmd=10"},
 }
 
 
@@ -77,7 +81,10 @@ def _vlog_summary(stderr: str, top: int = 40) -> dict:
         g = groups.setdefault(key, [0, line[:400]])
         g[0] += 1
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    # How many allocations changed per graph update, by graph size ("num_commands").
+    updates = collections.Counter(re.findall(r"num_commands=(\d+); updated_allocs=(\d+)", stderr))
     return {"lines": sum(g[0] for g in groups.values()),
+            "updates_by_size": {f"{n} commands, {u} allocs changed": c for (n, u), c in updates.most_common(20)},
             "messages": [{"count": c, "pattern": k, "example": ex} for k, (c, ex) in ranked]}
 
 
@@ -229,6 +236,39 @@ def paced_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     return out
 
 
+def address_report(r, entries, res, kw, reset_lengths, calls: int = 6) -> dict:
+    """Which buffers of the decode call move between calls? XLA re-records the CUDA graph's
+    nodes whose buffers changed address since the last run. The state is donated (outputs
+    alias inputs), so its leaves should keep their addresses; the outputs are new buffers.
+    Returns, per argument and output leaf whose address changed, how many distinct addresses
+    it had over `calls` calls."""
+    import jax
+
+    from jaxoverlap import steps
+
+    def addresses(tree, prefix):
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+        return {prefix + jax.tree_util.keystr(path): x.unsafe_buffer_pointer() for path, x in flat
+                if hasattr(x, "unsafe_buffer_pointer")}
+
+    reset_lengths()
+    seen: dict[str, set] = {}
+    prev = None
+    for _ in range(calls):
+        args = {**addresses(r.params, "params"), **addresses(r.state, "state"), **addresses(entries, "entries"),
+                **addresses(res, "res")}
+        r.state, o = steps.decode_step(r.params, r.state, entries, res, **kw)
+        outs = addresses(o, "out")
+        for k, v in {**args, **outs}.items():
+            seen.setdefault(k, set()).add(v)
+        if prev is not None:
+            jax.block_until_ready(prev.tokens)
+        prev = o  # keep one step's outputs alive, as the engine does
+    jax.block_until_ready(prev.tokens)
+    moved = {k: len(v) for k, v in seen.items() if len(v) > 1}
+    return {"address_calls": calls, "address_leaves": len(seen), "address_moved": moved}
+
+
 def unrolled_dispatch(r, entries, res, kw, reset_lengths, iters, unroll) -> dict:
     """Would several decode steps per launch amortise the launch? For each n in `unroll`,
     one program chains n decode steps (each feeds the next through the relay, as
@@ -372,6 +412,8 @@ def child(args) -> dict:
                 shutil.copy(f, dst)
         if args.paced:  # after the checksum: its extra steps write the cache
             row.update(paced_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
+        if args.addresses:  # after the checksum, like the paced calls
+            row.update(address_report(r, entries, res_none, kw, reset_lengths))
         if args.unroll:  # after the checksum, like the paced calls
             row.update(unrolled_dispatch(r, entries, res_none, kw, reset_lengths, args.iters, args.unroll))
         out["rows"].append(row)
@@ -397,6 +439,7 @@ def main():
     ap.add_argument("--paced", action="store_true", help="also time the call paced as in the engine loop")
     ap.add_argument("--unroll", type=int, nargs="*", default=[],
                     help="also time programs of this many chained decode steps, paced as in the engine")
+    ap.add_argument("--addresses", action="store_true", help="also report which buffers move between calls")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--variant", default="default")
     args = ap.parse_args()
@@ -417,6 +460,8 @@ def main():
             cmd.append("--no-stable")
         if args.paced:
             cmd.append("--paced")
+        if args.addresses:
+            cmd.append("--addresses")
         if args.unroll:
             cmd += ["--unroll", *map(str, args.unroll)]
         print(f"== {name}: XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)

@@ -311,7 +311,9 @@ def test_profile_cli_writes_json_and_plots(tmp_path, capsys):
         assert 0 < bd["prefill_busy_ms"] < bd["device_busy_ms"] <= bd["run_ms"]
         assert bd["run_over_bound"] == pytest.approx(bd["run_ms"] / bd["device_busy_ms"])
         # Busy and idle moments tile the run.
-        assert bd["device_busy_ms"] + sum(v["ms"] for v in bd["idle"].values()) == pytest.approx(bd["run_ms"])
+        idle = {k: v for k, v in bd["idle"].items() if k != "longest"}
+        assert bd["device_busy_ms"] + sum(v["ms"] for v in idle.values()) == pytest.approx(bd["run_ms"])
+        assert bd["idle"]["longest"][0]["ms"] == max(v["max_ms"] for v in idle.values())
         e = b["modes"]["overlap"]["edges"]
         assert e["runs"] == 1 and e["head_ms"] > 0 and e["tail_ms"] >= 0 and e["middle_ms"] > 0
         assert e["head_ms"] + e["middle_ms"] + e["tail_ms"] == pytest.approx(e["wall_ms"])
@@ -349,8 +351,11 @@ def test_bound_section_counts_device_busy_time_once_and_the_span_from_the_first_
     assert bd["run_over_bound"] == pytest.approx(120 / 90)
     # 0..20 before the first op; 100..110 between two kernels of the decode step (the copy
     # that starts in the prefill and ends in the decode hands the time on to the decode).
+    longest = bd["idle"].pop("longest")
     assert bd["idle"] == {"head": pytest.approx({"ms": 0.020, "count": 1, "max_ms": 0.020}),
                           "inside decode": pytest.approx({"ms": 0.010, "count": 1, "max_ms": 0.010})}
+    assert [m["label"] for m in longest] == ["head", "inside decode"]
+    assert longest[1]["at_ms"] == pytest.approx(0.100) and longest[1]["iteration"] == 1
 
 
 def test_idle_breakdown_labels_gaps_between_steps_by_their_kinds():
@@ -365,6 +370,7 @@ def test_idle_breakdown_labels_gaps_between_steps_by_their_kinds():
     spans = [(10.0, 20.0), (32.0, 18.0), (55.0, 15.0), (71.0, 9.0)]
     steps = [trace.Step(l, [op(ts, d)]) for l, (ts, d) in zip(la, spans)]
     idle = idle_breakdown(trace.Attribution(steps, la, [], {}, "gpu"), 0.0)
+    assert [m["label"] for m in idle.pop("longest")] == ["head", "prefill->decode", "prefill->prefill", "decode->decode"]
     assert set(idle) == {"head", "prefill->prefill", "prefill->decode", "decode->decode"}
     assert idle["head"]["ms"] == pytest.approx(0.010)
     assert idle["prefill->prefill"]["ms"] == pytest.approx(0.002)

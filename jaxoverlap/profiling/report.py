@@ -162,33 +162,44 @@ def bound_section(run: Run) -> dict:
             "idle": idle_breakdown(a, t0)}
 
 
-def idle_breakdown(a: Attribution, t0: float) -> dict:
+def idle_breakdown(a: Attribution, t0: float, longest: int = 8) -> dict:
     """Every moment between `t0` (the first launch) and the last op in which no op runs,
     labelled by the steps around it, in ms: "head" (before the first op), "inside <kind>"
     (between two ops of one step), "<kind>-><kind>" (between the last op of one step and
-    the first of another). With `bound_section`'s busy time they add up to its run time."""
-    ops = sorted((o.ts, o.end, st.launch.index, st.launch.kind) for st in a.steps for o in st.ops)
-    ops += [(o.ts, o.end, -1, "unplaced") for o in a.unplaced]
+    the first of another). With `bound_section`'s busy time they add up to its run time.
+    "longest" lists the `longest` moments with the ops on either side, to find them in a
+    trace (at: ms after t0; iteration: the loop iteration that launched the step after)."""
+    ops = [(o.ts, o.end, st.launch.index, st.launch.kind, o.name, st.launch.iteration)
+           for st in a.steps for o in st.ops]
+    ops += [(o.ts, o.end, -1, "unplaced", o.name, -1) for o in a.unplaced]
     ops.sort()
     out: dict[str, dict] = {}
+    moments = []
 
-    def add(label, dur):
+    def add(label, start, dur, before, after):
         if dur <= 0:
             return
         d = out.setdefault(label, {"ms": 0.0, "count": 0, "max_ms": 0.0})
         d["ms"] += dur / 1e3
         d["count"] += 1
         d["max_ms"] = max(d["max_ms"], dur / 1e3)
+        moments.append({"label": label, "at_ms": (start - t0) / 1e3, "ms": dur / 1e3, "before": before,
+                        "after": after[0], "iteration": after[1]})
 
     if not ops:
         return out
-    add("head", ops[0][0] - t0)
-    cur_end, cur_index, cur_kind = ops[0][1], ops[0][2], ops[0][3]
-    for ts, end, index, kind in ops[1:]:
-        if ts > cur_end:
-            add(f"inside {kind}" if index == cur_index else f"{cur_kind}->{kind}", ts - cur_end)
-        if end >= cur_end:  # the op that ends last owns the time up to the next idle moment
-            cur_end, cur_index, cur_kind = end, index, kind
+    add("head", t0, ops[0][0] - t0, None, (ops[0][4], ops[0][5]))
+    cur = ops[0]  # the op that ends last so far: it owns the time up to the next idle moment
+    for op in ops[1:]:
+        ts, end, index, kind, name, iteration = op
+        if ts > cur[1]:
+            label = f"inside {kind}" if index == cur[2] else f"{cur[3]}->{kind}"
+            add(label, cur[1], ts - cur[1], cur[4], (name, iteration))
+        if end >= cur[1]:
+            cur = op
+    moments.sort(key=lambda m: -m["ms"])
+    if out:
+        out["longest"] = moments[:longest]
     return out
 
 
@@ -294,9 +305,13 @@ def table(report: dict) -> str:
             lines.append(f"B={b['batch_size']} overlap run traced whole ({bd['steps']}): first launch to last op "
                          f"{bd['run_ms']:.3f} ms, device busy {bd['device_busy_ms']:.3f} ms (prefill "
                          f"{bd['prefill_busy_ms']:.3f}): run / device-only bound = {bd['run_over_bound']:.4f}")
+            kinds = {k: v for k, v in bd.get("idle", {}).items() if k != "longest"}
             idle = ", ".join(f"{k} {v['ms']:.3f} ({v['count']}x, max {v['max_ms']:.3f})"
-                             for k, v in sorted(bd.get("idle", {}).items(), key=lambda kv: -kv[1]["ms"]))
+                             for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["ms"]))
             lines.append(f"  device idle in that run, ms: {idle or 'none'}")
+            for m in bd.get("idle", {}).get("longest", [])[:4]:
+                lines.append(f"    {m['ms']:.3f} ms {m['label']} at {m['at_ms']:.3f} ms (iteration {m['iteration']}): "
+                             f"{m['before']} -> {m['after']}")
         e = b["modes"].get("overlap", {}).get("edges")
         if e:
             lines.append(f"B={b['batch_size']} overlap, untraced ({e['runs']} runs): wall {e['wall_ms']:.3f} ms = head "
