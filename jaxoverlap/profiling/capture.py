@@ -192,9 +192,14 @@ def profile(engine: Engine, workloads: list[Workload], *, repeats: int = 3, wind
             tmp = tempfile.mkdtemp(prefix="jaxoverlap-trace-")
             try:
                 whole = runner.run(w, "overlap", WHOLE_RUN, tmp)
+                if keep_traces:
+                    dst = os.path.join(keep_traces, f"trace_whole_b{w.batch_size}.json.gz")
+                    shutil.copyfile(whole.trace_file, dst)
+                    whole.trace_file = dst
+                else:
+                    whole.trace_file = None
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-            whole.trace_file = None
             log(f"  B={w.batch_size} overlap traced whole: {len(whole.attribution.steps)} steps")
         results.append(BatchResult(w, timed, traced, whole))
     return results
