@@ -371,11 +371,25 @@ def test_idle_breakdown_labels_gaps_between_steps_by_their_kinds():
     steps = [trace.Step(l, [op(ts, d)]) for l, (ts, d) in zip(la, spans)]
     idle = idle_breakdown(trace.Attribution(steps, la, [], {}, "gpu"), 0.0)
     assert [m["label"] for m in idle.pop("longest")] == ["head", "prefill->decode", "prefill->prefill", "decode->decode"]
+    assert idle["head"]["count"] == 1
     assert set(idle) == {"head", "prefill->prefill", "prefill->decode", "decode->decode"}
     assert idle["head"]["ms"] == pytest.approx(0.010)
     assert idle["prefill->prefill"]["ms"] == pytest.approx(0.002)
     assert idle["prefill->decode"]["ms"] == pytest.approx(0.005)
     assert idle["decode->decode"]["ms"] == pytest.approx(0.001)
+
+
+def test_idle_before_the_first_kernel_is_head_even_after_input_copies():
+    from jaxoverlap.profiling.report import idle_breakdown
+
+    la = [trace.Launch(0, 0.0, 1.0, "prefill", 4, 0, PY, ("step",))]
+    # Input copy at 5..6, then the host's launch still runs: the first kernel at 30..40.
+    ops = [trace.DeviceOp("MemcpyH2D", 5.0, 1.0, None, None, None, "Stream", True),
+           trace.DeviceOp("k", 30.0, 10.0, "step", None, None, "Stream", False),
+           trace.DeviceOp("k", 42.0, 8.0, "step", None, None, "Stream", False)]
+    idle = idle_breakdown(trace.Attribution([trace.Step(la[0], ops)], la, [], {}, "gpu"), 0.0)
+    assert idle["head"]["ms"] == pytest.approx(0.029) and idle["head"]["count"] == 2  # 0..5 and 6..30
+    assert idle["inside prefill"]["ms"] == pytest.approx(0.002)  # 40..42
 
 
 def test_edges_section_splits_the_wall_at_the_first_launch_and_the_last_wait():

@@ -164,7 +164,8 @@ def bound_section(run: Run) -> dict:
 
 def idle_breakdown(a: Attribution, t0: float, longest: int = 8) -> dict:
     """Every moment between `t0` (the first launch) and the last op in which no op runs,
-    labelled by the steps around it, in ms: "head" (before the first op), "inside <kind>"
+    labelled by the steps around it, in ms: "head" (before the first kernel: the host's
+    first launch, which the first step's input copies only split up), "inside <kind>"
     (between two ops of one step), "<kind>-><kind>" (between the last op of one step and
     the first of another). With `bound_section`'s busy time they add up to its run time.
     "longest" lists the `longest` moments with the ops on either side, to find them in a
@@ -173,6 +174,7 @@ def idle_breakdown(a: Attribution, t0: float, longest: int = 8) -> dict:
            for st in a.steps for o in st.ops]
     ops += [(o.ts, o.end, -1, "unplaced", o.name, -1) for o in a.unplaced]
     ops.sort()
+    first_kernel = min((o.ts for st in a.steps for o in st.ops if not o.is_copy), default=float("inf"))
     out: dict[str, dict] = {}
     moments = []
 
@@ -193,7 +195,8 @@ def idle_breakdown(a: Attribution, t0: float, longest: int = 8) -> dict:
     for op in ops[1:]:
         ts, end, index, kind, name, iteration = op
         if ts > cur[1]:
-            label = f"inside {kind}" if index == cur[2] else f"{cur[3]}->{kind}"
+            label = ("head" if ts <= first_kernel else
+                     f"inside {kind}" if index == cur[2] else f"{cur[3]}->{kind}")
             add(label, cur[1], ts - cur[1], cur[4], (name, iteration))
         if end >= cur[1]:
             cur = op
