@@ -13,7 +13,11 @@ inputs, and measures:
 - with --unroll N..., programs of N chained decode steps, paced the same way: the launch
   cost per decode step if one launch ran several (`unrolled_dispatch`);
 - with --trace, a profiler trace of a few steps: device ops per step and the host-side
-  events that take the dispatch time.
+  events that take the dispatch time;
+- with --addresses, which argument and output buffers move between calls (`address_report`);
+- with --stable-out, the step writing its outputs into donated buffers, so that no buffer
+  moves and XLA need not update the graph (`stable_output_dispatch`);
+- variants vlog_update / vlog_thunk: XLA's own logs of each graph update (`_vlog_summary`).
 
     python benchmarks/launch_probe.py --batches 1 32 --out launch.json --trace-dir $OUT
 """
