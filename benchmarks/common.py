@@ -97,3 +97,30 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def run_variant(script: str, name: str, xla_flags: str, child_args: list[str], timeout_s: int,
+                extra_env: dict | None = None) -> tuple[dict, str]:
+    """Run `script --child --variant name *child_args` in a subprocess with `xla_flags`
+    added to XLA_FLAGS (read once, at backend start, hence one process per variant).
+    Returns (the child's `RESULT {json}` line, or {"variant", "error"}; its stderr)."""
+    import subprocess
+
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + xla_flags).strip(), **(extra_env or {}))
+    cmd = [sys.executable, os.path.abspath(script), "--child", "--variant", name, *child_args]
+    print(f"== {name}: XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(out[-3000:], flush=True)
+        return {"variant": name, "error": f"timeout after {timeout_s}s"}, ""
+    print(p.stdout[-4000:], p.stderr[-1500:] if p.returncode else "", flush=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if lines:
+        return json.loads(lines[-1][len("RESULT "):]), p.stderr
+    # The cause is usually one line near the top (an unknown flag, a bad value), followed
+    # by the whole flag help: keep those lines and the tail.
+    keys = ("Unknown", "unknown", "update_mode", "Check failed", "Error", "rror:")
+    err = [ln for ln in p.stderr.splitlines() if any(k in ln for k in keys)][:10]
+    return {"variant": name, "error": "\n".join(err + [p.stderr[-1500:]])}, p.stderr

@@ -31,13 +31,12 @@ import gzip
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_table  # noqa: E402
+from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_table, run_variant  # noqa: E402
 
 VARIANTS = {
     "default": "",
@@ -525,44 +524,21 @@ def main():
         return
     results = []
     for name in args.variants:
-        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip(),
-                   **VARIANT_ENV.get(name, {}))
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", name, "--iters", str(args.iters),
-               "--attention-backend", args.attention_backend, "--batches", *map(str, args.batches)]
+        child_args = ["--iters", str(args.iters), "--attention-backend", args.attention_backend,
+                      "--batches", *map(str, args.batches)]
         if args.trace_dir:
-            cmd += ["--trace-dir", args.trace_dir]
-        if args.tiny:
-            cmd.append("--tiny")
-        if args.no_stable:
-            cmd.append("--no-stable")
-        if args.paced:
-            cmd.append("--paced")
-        if args.addresses:
-            cmd.append("--addresses")
-        if args.stable_out:
-            cmd.append("--stable-out")
+            child_args += ["--trace-dir", args.trace_dir]
+        for flag in ("tiny", "no_stable", "paced", "addresses", "stable_out"):
+            if getattr(args, flag):
+                child_args.append("--" + flag.replace("_", "-"))
         if args.unroll:
-            cmd += ["--unroll", *map(str, args.unroll)]
-        print(f"== {name}: XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-            lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-            if lines:
-                results.append(json.loads(lines[-1][7:]))
-                if name in VARIANT_ENV:
-                    results[-1]["vlog"] = _vlog_summary(p.stderr)
-                    for m in results[-1]["vlog"]["messages"][:15]:
-                        print(f"  vlog {m['count']:7d}  {m['pattern']}", flush=True)
-            else:
-                # The cause is usually one line near the top (an unknown flag, a bad value),
-                # followed by the whole flag help: keep those lines and the tail.
-                keys = ("Unknown", "unknown", "update_mode", "Check failed", "Error", "rror:")
-                lines = [ln for ln in p.stderr.splitlines() if any(k in ln for k in keys)][:10]
-                results.append({"variant": name, "error": "\n".join(lines + [p.stderr[-1500:]])})
-            print(p.stdout[-4000:], p.stderr[-1500:] if p.returncode or name in VARIANT_ENV else "", flush=True)
-        except subprocess.TimeoutExpired as e:
-            results.append({"variant": name, "error": f"timeout after {args.timeout_s}s"})
-            print((e.stdout or b"")[-3000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-3000:], flush=True)
+            child_args += ["--unroll", *map(str, args.unroll)]
+        result, stderr = run_variant(__file__, name, VARIANTS[name], child_args, args.timeout_s, VARIANT_ENV.get(name))
+        if name in VARIANT_ENV and "rows" in result:
+            result["vlog"] = _vlog_summary(stderr)
+            for m in result["vlog"]["messages"][:15]:
+                print(f"  vlog {m['count']:7d}  {m['pattern']}", flush=True)
+        results.append(result)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     table = [dict(variant=res["variant"], **{k: v for k, v in row.items() if k != "trace"})

@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median, print_table  # noqa: E402
+from common import median, print_table, run_variant  # noqa: E402
 
 BASE_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 VARIANTS = {
@@ -141,22 +140,8 @@ def main():
         return
     results = []
     for name in args.variants:
-        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip())
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", name, "--iters", str(args.iters),
-               "--batches", *map(str, args.batches)] + (["--tiny"] if args.tiny else [])
-        print(f"== {name}: XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            if lines:
-                results.append(json.loads(lines[-1][7:]))
-            else:
-                keys = ("Unknown", "unknown", "Check failed", "Error", "rror:")
-                err = [ln for ln in p.stderr.splitlines() if any(k in ln for k in keys)][:10]
-                results.append({"variant": name, "error": "\n".join(err + [p.stderr[-1500:]])})
-                print(results[-1]["error"][-2000:], flush=True)
-        except subprocess.TimeoutExpired:
-            results.append({"variant": name, "error": f"timeout after {args.timeout_s}s"})
+        child_args = ["--iters", str(args.iters), "--batches", *map(str, args.batches)] + (["--tiny"] if args.tiny else [])
+        results.append(run_variant(__file__, name, VARIANTS[name], child_args, args.timeout_s)[0])
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     table = [dict(variant=r["variant"], **row) for r in results for row in r.get("rows", [])]

@@ -419,3 +419,18 @@ def test_timeline_intervals_merge_back_to_back_ops():
     ops += [trace.DeviceOp("k5", 200.0, 5.0, "decode_step", None, None, "Stream", False),
             trace.DeviceOp("MemcpyD2H", 120.0, 2.0, None, None, None, "Stream #16(MemcpyD2H)", True, True)]
     assert _intervals(ops, t0=100.0) == [[0.0, 49.5, False], [100.0, 5.0, False], [20.0, 2.0, True]]
+
+
+def test_keep_trace_copies_the_trace_or_forgets_it(tmp_path):
+    from jaxoverlap.profiling.capture import Run, _keep_trace
+
+    src = tmp_path / "tmp" / "t.json.gz"
+    src.parent.mkdir()
+    src.write_bytes(b"trace")
+    kept = Run("overlap", 1.0, 1, [], trace_file=str(src))
+    _keep_trace(kept, str(tmp_path / "out"), "trace_whole_b1.json.gz")
+    assert kept.trace_file == str(tmp_path / "out" / "trace_whole_b1.json.gz")
+    assert (tmp_path / "out" / "trace_whole_b1.json.gz").read_bytes() == b"trace"
+    dropped = Run("overlap", 1.0, 1, [], trace_file=str(src))
+    _keep_trace(dropped, None, "x.json.gz")
+    assert dropped.trace_file is None

@@ -144,6 +144,18 @@ def decode_programs(engine: Engine, w: Workload) -> tuple[list[int], list[int]]:
     return ([b for b in r.batch_buckets if b <= top_batch], [c for c in r.decode_ctx_buckets if c <= top_ctx])
 
 
+def _keep_trace(run: Run, folder: str | None, name: str) -> None:
+    """Copy a traced run's trace (in a temporary folder about to go) to folder/name and
+    point the run at the copy; without a folder the run keeps no trace file."""
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        dst = os.path.join(folder, name)
+        shutil.copyfile(run.trace_file, dst)
+        run.trace_file = dst
+    else:
+        run.trace_file = None
+
+
 # Traces a run from its first loop iteration (prefill included) to its end.
 WHOLE_RUN = TraceWindow(steps=1 << 30, skip=0)
 
@@ -174,13 +186,7 @@ def profile(engine: Engine, workloads: list[Workload], *, repeats: int = 3, wind
             tmp = tempfile.mkdtemp(prefix="jaxoverlap-trace-")
             try:
                 run = runner.run(w, mode, window, tmp)
-                if keep_traces:
-                    os.makedirs(keep_traces, exist_ok=True)
-                    dst = os.path.join(keep_traces, f"trace_{mode}_b{w.batch_size}.json.gz")
-                    shutil.copyfile(run.trace_file, dst)
-                    run.trace_file = dst
-                else:
-                    run.trace_file = None
+                _keep_trace(run, keep_traces, f"trace_{mode}_b{w.batch_size}.json.gz")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             traced[mode] = run
@@ -192,12 +198,7 @@ def profile(engine: Engine, workloads: list[Workload], *, repeats: int = 3, wind
             tmp = tempfile.mkdtemp(prefix="jaxoverlap-trace-")
             try:
                 whole = runner.run(w, "overlap", WHOLE_RUN, tmp)
-                if keep_traces:
-                    dst = os.path.join(keep_traces, f"trace_whole_b{w.batch_size}.json.gz")
-                    shutil.copyfile(whole.trace_file, dst)
-                    whole.trace_file = dst
-                else:
-                    whole.trace_file = None
+                _keep_trace(whole, keep_traces, f"trace_whole_b{w.batch_size}.json.gz")
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             log(f"  B={w.batch_size} overlap traced whole: {len(whole.attribution.steps)} steps")
