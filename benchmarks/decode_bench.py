@@ -40,11 +40,11 @@ def device_step_ms(engine, batch_size: int, iters: int) -> float:
                                          page_size=r.page_size, attention=r.attention, sampling=False)
         return out
 
-    jax.block_until_ready(call().tokens)
+    jax.block_until_ready(call().packed)
     t = time.perf_counter()
     for _ in range(iters):
         out = call()
-    jax.block_until_ready(out.tokens)
+    jax.block_until_ready(out.packed)
     ms = (time.perf_counter() - t) / iters * 1e3
     # Reset the relay lengths these steps advanced, so the engine's bookkeeping stays true.
     relay = r.state.relay
@@ -98,9 +98,10 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device-iters", type=int, default=50)
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--variants", nargs="+", default=["default"], choices=["default", "fused", "unfused", "fused_attention"],
-                    help="decode kernels, each compared in the same run: the engine's default, the Pallas fused "
-                         "decode kernels on (fused) or off (unfused), or only the attention one (fused_attention)")
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=["default", "fused", "unfused", "fused_attention", "single_exec"],
+                    help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
+                         "or off (unfused), only the attention one (fused_attention), or the default kernels with "
+                         "one executable per decode program instead of two in turn (single_exec)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()
@@ -132,7 +133,8 @@ def main():
     for B in args.batches:
         first_outputs = None
         for variant in args.variants:
-            if variant != "default":
+            engine.runner.alternate_executables = variant != "single_exec"
+            if variant not in ("default", "single_exec"):
                 engine.set_fused_decode(variant != "unfused")
             if variant == "fused_attention":
                 # The attention kernel fused, the residual add + norm left to XLA: a backend

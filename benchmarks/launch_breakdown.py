@@ -101,7 +101,7 @@ def main():
             t = time.perf_counter()
             r.state, out = step(r.params, r.state, e_dev, res_dev, **static)
             dev_call.append(time.perf_counter() - t)
-        jax.block_until_ready(out.tokens)
+        jax.block_until_ready(out.packed)
         # One decode program for every length (the Pallas kernels walk visible pages only):
         # the device-bound step at the smallest context bucket that holds the rows against
         # the same step compiled for the whole table.
@@ -114,11 +114,11 @@ def main():
                 r.state = dataclasses.replace(r.state, relay=dataclasses.replace(
                     relay, seq_lens=relay.seq_lens.at[1:B + 1].set(176)))
                 r.state, out = step(r.params, r.state, ent_real, res, **static)  # compile
-                jax.block_until_ready(out.tokens)
+                jax.block_until_ready(out.packed)
                 t = time.perf_counter()
                 for _ in range(20):
                     r.state, out = step(r.params, r.state, ent_real, res, **static)
-                jax.block_until_ready(out.tokens)
+                jax.block_until_ready(out.packed)
                 periods[f"device_step_ms_ctx{ctx}"] = (time.perf_counter() - t) / 20 * 1e3
         row = {
             "batch": B, "decode_steps": n, **periods,

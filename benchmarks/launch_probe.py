@@ -17,6 +17,8 @@ inputs, and measures:
 - with --addresses, which argument and output buffers move between calls (`address_report`);
 - with --stable-out, the step writing its outputs into donated buffers, so that no buffer
   moves and XLA need not update the graph (`stable_output_dispatch`);
+- with --alternate, two executables of the same step used in turn, so that each sees its
+  outputs at one address (`alternating_dispatch`);
 - variants vlog_update / vlog_thunk: XLA's own logs of each graph update (`_vlog_summary`).
 
     python benchmarks/launch_probe.py --batches 1 32 --out launch.json --trace-dir $OUT
@@ -212,7 +214,7 @@ def paced_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     for mode in ("engine_block", "engine_spin", "engine_block_nocopy", "sleep_1ms", "spin_1ms"):
         reset_lengths()
         prev = call()
-        jax.block_until_ready(prev.tokens)
+        jax.block_until_ready(prev.packed)
         ts, waits = [], []
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -221,19 +223,19 @@ def paced_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
             ts.append(time.perf_counter() - t)
             if mode.startswith("engine"):
                 if mode != "engine_block_nocopy":
-                    o.tokens.copy_to_host_async()
+                    o.packed.copy_to_host_async()
                 tw = time.perf_counter()
                 if mode == "engine_spin":
-                    while not prev.tokens.is_ready():
+                    while not prev.packed.is_ready():
                         pass
-                np.asarray(prev.tokens)
+                np.asarray(prev.packed)
                 waits.append(time.perf_counter() - tw)
                 prev = o
             elif mode == "sleep_1ms":
                 time.sleep(1e-3)
             else:
                 spin_until(time.perf_counter() + 1e-3)
-        jax.block_until_ready(o.tokens)
+        jax.block_until_ready(o.packed)
         out[f"{mode}_dispatch_ms"] = median(ts[2:]) * 1e3
         out[f"{mode}_period_ms"] = (time.perf_counter() - t0) / iters * 1e3
         if waits:
@@ -267,9 +269,9 @@ def address_report(r, entries, res, kw, reset_lengths, calls: int = 6) -> dict:
         for k, v in {**args, **outs}.items():
             seen.setdefault(k, set()).add(v)
         if prev is not None:
-            jax.block_until_ready(prev.tokens)
+            jax.block_until_ready(prev.packed)
         prev = o  # keep one step's outputs alive, as the engine does
-    jax.block_until_ready(prev.tokens)
+    jax.block_until_ready(prev.packed)
     moved = {k: len(v) for k, v in seen.items() if len(v) > 1}
     return {"address_calls": calls, "address_leaves": len(seen), "address_moved": moved}
 
@@ -312,7 +314,7 @@ def stable_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
         t = time.perf_counter()
         r.state, out = step_into(r.params, r.state, out, entries, res, **kw)
         ts.append(time.perf_counter() - t)
-        where.add((out.tokens.unsafe_buffer_pointer(), out.logprobs.unsafe_buffer_pointer()))
+        where.add(out.packed.unsafe_buffer_pointer())
     jax.block_until_ready(out)
     res_["stable_out_distinct_addresses"] = len(where)  # 1: the donation kept them in place
     res_["stable_out_back_to_back_dispatch_ms"] = median(ts[2:]) * 1e3
@@ -327,9 +329,8 @@ def stable_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
         t1 = time.perf_counter()
         o = copy_out(out)
         t2 = time.perf_counter()
-        o.tokens.copy_to_host_async()
-        o.logprobs.copy_to_host_async()
-        np.asarray(prev.tokens)
+        o.packed.copy_to_host_async()
+        np.asarray(prev.packed)
         waits.append(time.perf_counter() - t2)
         ts.append(t1 - t)
         tc.append(t2 - t1)
@@ -339,6 +340,69 @@ def stable_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     res_["stable_out_engine_copy_out_ms"] = median(tc[2:]) * 1e3
     res_["stable_out_engine_wait_ms"] = median(waits[2:]) * 1e3
     return res_
+
+
+def alternating_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
+    """Does a second executable of the same step remove the per-call graph update?
+
+    XLA keeps one recorded CUDA graph per executable and updates it when a buffer moved
+    since that executable's last run. In the engine's pattern the outputs of step N are
+    still alive while step N+1 is launched, so one executable sees its outputs alternate
+    between two addresses and updates its graph on every call. Two executables used in turn
+    each see the same output address every other step. Two ways to get the second one:
+    - jit: a second `jax.jit` of the same function (a second compilation);
+    - aot: the compiled step serialized and loaded again (no compilation).
+    Each mode runs the engine pattern (launch N+1, start its outputs' copies, block on N)
+    and reports the call's median time and how many output addresses each executable saw.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import serialize_executable
+
+    from jaxoverlap import steps
+
+    static = dict(kw)
+
+    def same_step(params, state, entries, res):
+        return steps.decode_step.__wrapped__(params, state, entries, res, **static)
+
+    one = lambda p, s, e, rs: steps.decode_step(p, s, e, rs, **static)  # noqa: E731
+    t = time.perf_counter()
+    jit_twin = jax.jit(same_step, donate_argnums=1)
+    reset_lengths()
+    r.state, o = jit_twin(r.params, r.state, entries, res)
+    jax.block_until_ready(o.packed)
+    out = {"alt_jit_twin_compile_s": time.perf_counter() - t}
+    t = time.perf_counter()
+    compiled = steps.decode_step.lower(r.params, r.state, entries, res, **static).compile()
+    blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+    loaded = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+    out["alt_aot_copy_s"] = time.perf_counter() - t
+    aot_a = lambda p, s, e, rs: compiled(p, s, e, rs)  # noqa: E731
+    aot_b = lambda p, s, e, rs: loaded(p, s, e, rs)  # noqa: E731
+    modes = {"single": (one, one), "single_aot": (aot_a, aot_a), "alt_jit": (one, jit_twin),
+             "alt_aot": (aot_a, aot_b)}
+    for name, fns in modes.items():
+        for copies in (True, False):
+            mode = name + ("" if copies else "_nocopy")
+            reset_lengths()
+            r.state, prev = fns[0](r.params, r.state, entries, res)
+            jax.block_until_ready(prev.packed)
+            ts, where = [], [set(), set()]
+            for i in range(iters):
+                fn = fns[(i + 1) % 2]
+                t = time.perf_counter()
+                r.state, o = fn(r.params, r.state, entries, res)
+                ts.append(time.perf_counter() - t)
+                where[(i + 1) % 2].add(o.packed.unsafe_buffer_pointer())
+                if copies:
+                    o.packed.copy_to_host_async()
+                np.asarray(prev.packed)
+                prev = o
+            jax.block_until_ready(prev.packed)
+            out[f"{mode}_dispatch_ms"] = median(ts[2:]) * 1e3
+            out[f"{mode}_out_addresses"] = [len(w) for w in where]
+    return out
 
 
 def unrolled_dispatch(r, entries, res, kw, reset_lengths, iters, unroll) -> dict:
@@ -425,7 +489,7 @@ def child(args) -> dict:
 
         t = time.perf_counter()
         r.state, o = steps.decode_step(r.params, r.state, entries, res_full, **kw)
-        jax.block_until_ready(o.tokens)
+        jax.block_until_ready(o.packed)
         compile_s = time.perf_counter() - t
 
         def run_async(n):
@@ -435,7 +499,7 @@ def child(args) -> dict:
                 t = time.perf_counter()
                 r.state, o = steps.decode_step(r.params, r.state, entries, res_none, **kw)
                 ts.append(time.perf_counter() - t)
-            jax.block_until_ready(o.tokens)
+            jax.block_until_ready(o.packed)
             return ts, (time.perf_counter() - t0) / n
 
         reset_lengths()
@@ -447,7 +511,7 @@ def child(args) -> dict:
         for _ in range(args.iters):
             t = time.perf_counter()
             r.state, o = steps.decode_step(r.params, r.state, entries, res_none, **kw)
-            jax.block_until_ready(o.tokens)
+            jax.block_until_ready(o.packed)
             sync.append(time.perf_counter() - t)
 
         trivial = jax.jit(lambda p, s, e, res: s.relay.seq_lens[e] + res.pages[0])
@@ -474,7 +538,7 @@ def child(args) -> dict:
             jax.profiler.start_trace(d, create_perfetto_trace=True)
             for _ in range(n):
                 r.state, o = steps.decode_step(r.params, r.state, entries, res_none, **kw)
-            jax.block_until_ready(o.tokens)
+            jax.block_until_ready(o.packed)
             jax.profiler.stop_trace()
             row["trace"] = _trace_summary(d, n)
             os.makedirs(args.trace_dir, exist_ok=True)
@@ -488,6 +552,8 @@ def child(args) -> dict:
             row.update(stable_output_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
         if args.addresses:  # after the checksum, like the paced calls
             row.update(address_report(r, entries, res_none, kw, reset_lengths))
+        if args.alternate:  # after the checksum, like the paced calls
+            row.update(alternating_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
         if args.unroll:  # after the checksum, like the paced calls
             row.update(unrolled_dispatch(r, entries, res_none, kw, reset_lengths, args.iters, args.unroll))
         out["rows"].append(row)
@@ -516,6 +582,8 @@ def main():
     ap.add_argument("--addresses", action="store_true", help="also report which buffers move between calls")
     ap.add_argument("--stable-out", action="store_true",
                     help="also time the step writing its outputs into donated buffers (no graph update)")
+    ap.add_argument("--alternate", action="store_true",
+                    help="also time two executables of the step used in turn (no graph update per call)")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--variant", default="default")
     args = ap.parse_args()
@@ -528,7 +596,7 @@ def main():
                       "--batches", *map(str, args.batches)]
         if args.trace_dir:
             child_args += ["--trace-dir", args.trace_dir]
-        for flag in ("tiny", "no_stable", "paced", "addresses", "stable_out"):
+        for flag in ("tiny", "no_stable", "paced", "addresses", "stable_out", "alternate"):
             if getattr(args, flag):
                 child_args.append("--" + flag.replace("_", "-"))
         if args.unroll:
@@ -546,7 +614,7 @@ def main():
     if table:
         print_table(table, ["variant", "batch", "compile_s", "dispatch_ms", "period_ms", "sync_ms", "args_ms",
                             "tokens_checksum", "const_inputs_dispatch_ms", "const_inputs_state_only_dispatch_ms"])
-        paced = [k for k in table[0] if k.endswith(("_dispatch_ms", "_wait_ms", "_per_step_ms"))
+        paced = [k for k in table[0] if k.endswith(("_dispatch_ms", "_wait_ms", "_per_step_ms", "_addresses"))
                  and not k.startswith("const")]
         if len(paced) > 1:
             print_table(table, ["variant", "batch", *paced])

@@ -145,13 +145,13 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
             return out
 
     reset()
-    jax.block_until_ready(call().tokens)
+    jax.block_until_ready(call().packed)
     reset()
     outs = []
     t = time.perf_counter()
     for _ in range(iters):
         outs.append(call())
-    jax.block_until_ready(outs[-1].tokens)
+    jax.block_until_ready(outs[-1].packed)
     ms = (time.perf_counter() - t) / iters * 1e3
     accept = 1.0
     if r.spec is not None:
@@ -178,6 +178,9 @@ def main():
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="speculative_disable_by_batch_size for every drafter: larger batches draft nothing")
     ap.add_argument("--compilation-cache-dir", default=None)
+    ap.add_argument("--compare-single-executable", action="store_true",
+                    help="also run the overlap workload with one executable per decode program (host time and "
+                         "period against the default's two in turn)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="spec_bench.json")
     args = ap.parse_args()
@@ -208,6 +211,9 @@ def main():
     cols = ["backend", "batch", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms",
             "device_accept", "ms_per_token", "speedup_vs_plain", "overlap_period_ms", "normal_period_ms", "overlap_tok_s",
             "normal_tok_s", "host_total_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
+    if args.compare_single_executable:
+        cols += ["host_launch_ms", "single_exec_host_launch_ms", "single_exec_host_total_ms", "single_exec_period_ms",
+                 "single_exec_identical"]
     for backend, algo in [(b, a) for b in args.attention_backend for a in args.algos]:
         tc = time.perf_counter()
         engine = make_engine(args, algo, backend, path, cfg, params)
@@ -227,6 +233,15 @@ def main():
                 engine.set_overlap(overlap)
                 res[overlap] = run_workload(engine, args, B, args.new_tokens, seed=B)
             engine.set_overlap(True)
+            single = {}
+            if args.compare_single_executable:
+                engine.runner.alternate_executables = False
+                one = run_workload(engine, args, B, args.new_tokens, seed=B)
+                engine.runner.alternate_executables = True
+                single = {"single_exec_host_launch_ms": one["host_launch_ms"],
+                          "single_exec_host_total_ms": one["host_total_ms"],
+                          "single_exec_period_ms": one["step_period_ms"],
+                          "single_exec_identical": one.pop("outputs") == res[True]["outputs"]}
             same = res[True].pop("outputs") == res[False].pop("outputs")
             ov, no = res[True], res[False]
             if algo == "plain":
@@ -248,7 +263,7 @@ def main():
                 "host_process_ms": ov["host_process_ms"], "host_total_ms": ov["host_total_ms"],
                 "normal_host_total_ms": no["host_total_ms"], "normal_wait_ms": no["wait_ms"],
                 "ngram_wait_ms": ov["ngram_wait_ms"], "draft_ms": ov["draft_ms"],
-                "greedy_identical": same, "detail": res,
+                "greedy_identical": same, **single, "detail": res,
             })
             print_table(rows[-1:], cols)
             with open(args.out, "w") as f:

@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="pallas: separate kernels for decode's q/k norm, RoPE, cache write and attention")
     g.add_argument("--weights-cache-dir", default=None)
     g.add_argument("--compilation-cache-dir", default=None)
+    g.add_argument("--single-decode-executable", dest="alternate_decode_executables", action="store_false",
+                   help="run each decode program as one executable, not two copies in turn")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding (SGLang's flag names)")
     s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "draft_model", "ngram", "ngram_device"])

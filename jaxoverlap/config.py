@@ -27,6 +27,9 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] | None = None  # padded decode batch sizes; default powers of 2
     weights_cache_dir: str | None = None  # orbax cache of converted weights for fast restarts
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache
+    # Run each decode program as two loaded copies in turn, so that XLA need not update the
+    # step's CUDA graph for its moved output on every call (runner._call_decode). One device only.
+    alternate_decode_executables: bool = True
     max_queued_requests: int = 4096
     # Speculative decoding (names follow SGLang's flags). One step verifies a window of
     # speculative_num_draft_tokens = 1 + speculative_num_steps positions per request.

@@ -169,6 +169,8 @@ class Engine:
             table_width=table_width, batch_buckets=config.batch_buckets, attention=attention,
             drafter=self.drafter, attention_is_length_adaptive=attention is not None,  # the Pallas kernels
             draft_max_rows=config.speculative_disable_by_batch_size,
+            # The copy is loaded on one device; a sharded program keeps its one executable.
+            alternate_executables=config.alternate_decode_executables and self.mesh is None,
         )
         if self.mesh is not None:
             from jaxoverlap import parallel

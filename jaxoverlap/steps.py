@@ -22,13 +22,50 @@ from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attentio
 from jaxoverlap.sampling import sample
 
 
+def pack_for_host(*columns: jax.Array) -> jax.Array:
+    """The per-row results a step hands to the host, as one [R, C] int32 array.
+
+    Each column group is [R] or [R, k], int32 or float32 (stored as its bits). One output
+    array means one device-to-host copy per step to start and one output buffer whose
+    address XLA's recorded CUDA graph must follow, instead of one per result."""
+    parts = []
+    for c in columns:
+        c = c if c.dtype == jnp.int32 else jax.lax.bitcast_convert_type(c.astype(jnp.float32), jnp.int32)
+        parts.append(c[:, None] if c.ndim == 1 else c)  # [R] -> [R, 1]
+    return jnp.concatenate(parts, axis=1)
+
+
+def float_bits(x) -> jax.Array | np.ndarray:
+    """The float32 values whose bits an int32 column holds (device or host array)."""
+    if isinstance(x, np.ndarray):
+        return x.view(np.float32)
+    return jax.lax.bitcast_convert_type(x, jnp.float32)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepOutput:
-    """The small per-row results that travel to the host (asynchronously)."""
+    """The small per-row results that travel to the host (asynchronously), packed into one
+    array (`pack_for_host`): column 0 the sampled token, column 1 its logprob's bits."""
 
-    tokens: jax.Array  # [R] int32
-    logprobs: jax.Array  # [R] float32
+    packed: jax.Array  # [R, 2] int32
+
+    @classmethod
+    def of(cls, tokens: jax.Array, logprobs: jax.Array) -> "StepOutput":
+        return cls(pack_for_host(tokens, logprobs))
+
+    @property
+    def tokens(self):  # [R] int32
+        return self.packed[:, 0]
+
+    @property
+    def logprobs(self):  # [R] float32
+        return float_bits(self.packed[:, 1])
+
+    @staticmethod
+    def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+        """(tokens, logprobs, accept_lens=None) from the host copy of `packed`."""
+        return packed[:, 0], float_bits(np.ascontiguousarray(packed[:, 1])), None
 
 
 @jax.tree_util.register_dataclass
@@ -136,7 +173,7 @@ def decode_step(
     )
     relay = _write_relay(relay, entries, lens + 1, next_tokens)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
-    return state, StepOutput(tokens=next_tokens, logprobs=logprobs)
+    return state, StepOutput.of(next_tokens, logprobs)
 
 
 @jax.tree_util.register_dataclass
@@ -202,4 +239,4 @@ def prefill_step(
         temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p, seed=inp.seed,
     )
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
-    return state, StepOutput(tokens=next_tokens, logprobs=logprobs)
+    return state, StepOutput.of(next_tokens, logprobs)

@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxoverlap.device_state import DeviceState, Relay
 from jaxoverlap.models.config import ModelConfig
@@ -31,18 +32,43 @@ from jaxoverlap.sampling import sample
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
 from jaxoverlap.speculative.verify import SamplingRows, accept
-from jaxoverlap.steps import Reservations, StepOutput, apply_reservations
+from jaxoverlap.steps import Reservations, StepOutput, apply_reservations, float_bits, pack_for_host
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecStepOutput:
-    """The small per-row results of a speculative step that travel to the host."""
+    """The small per-row results of a speculative step. Those for the host are packed into
+    one array (steps.pack_for_host): W tokens, the W logprobs' bits, the accept length."""
 
-    tokens: jax.Array  # [B, W] int32: accepted drafts, then the bonus token, then -1
-    logprobs: jax.Array  # [B, W] float32 of those tokens under the target
-    accept_lens: jax.Array  # [B] int32: tokens the row gained (accepted drafts + 1)
+    packed: jax.Array  # [B, 2W + 1] int32
     drafts: jax.Array  # [B, k] int32: what the drafter proposed (kept on the device; for tests)
+
+    @classmethod
+    def of(cls, tokens, logprobs, accept_lens, drafts) -> "SpecStepOutput":
+        return cls(pack_for_host(tokens, logprobs, accept_lens), drafts)
+
+    @property
+    def window(self) -> int:
+        return (self.packed.shape[1] - 1) // 2
+
+    @property
+    def tokens(self):  # [B, W] int32: accepted drafts, then the bonus token, then -1
+        return self.packed[:, : self.window]
+
+    @property
+    def logprobs(self):  # [B, W] float32 of those tokens under the target
+        return float_bits(self.packed[:, self.window : 2 * self.window])
+
+    @property
+    def accept_lens(self):  # [B] int32: tokens the row gained (accepted drafts + 1)
+        return self.packed[:, -1]
+
+    @staticmethod
+    def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens [B, W], logprobs [B, W], accept_lens [B]) from the host copy of `packed`."""
+        W = (packed.shape[1] - 1) // 2
+        return packed[:, :W], float_bits(np.ascontiguousarray(packed[:, W : 2 * W])), packed[:, -1]
 
 
 @jax.tree_util.register_dataclass
@@ -173,7 +199,7 @@ def spec_decode_step(
     relay = _set(relay, entries, **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens)
-    return state, SpecStepOutput(tokens=out_tokens, logprobs=logprobs, accept_lens=accept_len, drafts=drafts)
+    return state, SpecStepOutput.of(out_tokens, logprobs, accept_len, drafts)
 
 
 @functools.partial(
@@ -232,4 +258,4 @@ def spec_prefill_step(
     relay = _set(state.relay, inp.entries, seq_lens=jnp.where(inp.entries == 0, 0, kv_lens), **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens)
-    return state, StepOutput(tokens=next_tokens, logprobs=logprobs)
+    return state, StepOutput.of(next_tokens, logprobs)
