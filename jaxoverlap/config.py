@@ -28,8 +28,11 @@ class EngineConfig:
     weights_cache_dir: str | None = None  # orbax cache of converted weights for fast restarts
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache
     # Run each decode program as two loaded copies in turn, so that XLA need not update the
-    # step's CUDA graph for its moved output on every call (runner._call_decode). One device only.
+    # step's CUDA graph for its moved output on every call (runner._call_decode). One GPU only.
     alternate_decode_executables: bool = True
+    # One device: each layer matrix kind as one [L, ...] array (models/params.stack_layers),
+    # so each step call has ~11 weight leaves instead of 151 (Qwen3-8B).
+    stack_layer_weights: bool = True
     max_queued_requests: int = 4096
     # Speculative decoding (names follow SGLang's flags). One step verifies a window of
     # speculative_num_draft_tokens = 1 + speculative_num_steps positions per request.

@@ -32,6 +32,7 @@ from jaxoverlap.config import EngineConfig
 from jaxoverlap.device_state import init_device_state, kv_cache_bytes_per_token
 from jaxoverlap.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.params import stack_layers
 from jaxoverlap.outputs import RequestOutput
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
@@ -101,12 +102,17 @@ class Engine:
         self.model_name = os.path.basename(os.path.normpath(model_path)) if config.model else "jaxoverlap-default"
         self.model_config = model_config or ModelConfig.from_path(model_path)
         self.dtype = _resolve_dtype(config.dtype)
+        owns_params = params is None
         if params is None:
             params = loader.load_params(
                 model_path, self.model_config, self.dtype,
                 load_format=config.load_format, seed=config.seed, cache_dir=config.weights_cache_dir,
                 tensor_parallel_size=config.tensor_parallel_size,  # per-shard qkv / gate_up columns
             )
+        if config.tensor_parallel_size == 1 and config.stack_layer_weights:
+            # Fewer argument leaves per step call (models/params.py). Before the KV cache is
+            # sized, so that a caller's own copy of the weights is counted.
+            params = stack_layers(params, delete_source=owns_params)
         if tokenizer is None and os.path.exists(os.path.join(model_path, "tokenizer.json")):
             from jaxoverlap.models.tokenizer import Tokenizer
 
@@ -169,8 +175,10 @@ class Engine:
             table_width=table_width, batch_buckets=config.batch_buckets, attention=attention,
             drafter=self.drafter, attention_is_length_adaptive=attention is not None,  # the Pallas kernels
             draft_max_rows=config.speculative_disable_by_batch_size,
-            # The copy is loaded on one device; a sharded program keeps its one executable.
-            alternate_executables=config.alternate_decode_executables and self.mesh is None,
+            # Only where XLA records CUDA graphs (GPU). The copy is loaded on one device: a
+            # sharded program keeps its one executable.
+            alternate_executables=(config.alternate_decode_executables and self.mesh is None
+                                   and jax.default_backend() == "gpu"),
         )
         if self.mesh is not None:
             from jaxoverlap import parallel

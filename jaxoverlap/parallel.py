@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.params import ModelParams, relayout
+from jaxoverlap.models.params import LayerParams, ModelParams, relayout
 
 AXIS = "tp"
 
@@ -69,11 +69,12 @@ def shard_params(params: ModelParams, mesh: Mesh, cfg: ModelConfig | None = None
     the mesh's (e.g. weights loaded for one device) are converted first."""
     if cfg is not None:
         params = relayout(params, cfg, mesh.size)
-    layers = tuple(
-        dataclasses.replace(l, wqkv=_put(l.wqkv, mesh, 1), wo=_put(l.wo, mesh, 0),
-                            w_gate_up=_put(l.w_gate_up, mesh, 1), w_down=_put(l.w_down, mesh, 0))
-        for l in params.layers
-    )
+    def put_layer(l: LayerParams, lead: int) -> LayerParams:  # lead: 1 for stacked [L, in, out] arrays
+        return dataclasses.replace(l, wqkv=_put(l.wqkv, mesh, lead + 1), wo=_put(l.wo, mesh, lead),
+                                   w_gate_up=_put(l.w_gate_up, mesh, lead + 1), w_down=_put(l.w_down, mesh, lead))
+
+    stacked = isinstance(params.layers, LayerParams)
+    layers = put_layer(params.layers, 1) if stacked else tuple(put_layer(l, 0) for l in params.layers)
     return dataclasses.replace(
         params, layers=layers, lm_head=_put(params.lm_head, mesh, 1), bqkv=_put(params.bqkv, mesh, 1),
         embed=_put(params.embed, mesh, None), final_norm=_put(params.final_norm, mesh, None),

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from typing import Callable
 
+import numpy as np
+
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
 from jaxoverlap.request import Request, Status
@@ -284,6 +286,9 @@ class Scheduler:
         """
         now = time.perf_counter()
         updated: list[Request] = []
+        # Python ints and floats, converted once per array rather than once per element.
+        tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
+        accept_lens = None if accept_lens is None else np.asarray(accept_lens).tolist()
         for i, row in enumerate(batch.rows):
             req = row.req
             if req.finished or row.epoch != req.epoch or req.status is not Status.RUNNING:
@@ -301,7 +306,7 @@ class Scheduler:
                 req.metrics.num_steps += 1
                 new = [(tokens[i], logprobs[i])]
             else:
-                n = int(accept_lens[i])
+                n = accept_lens[i]
                 # The device's length grew by n whatever the host keeps: K/V of the input
                 # token and of the n - 1 accepted drafts.
                 req.kv_committed += n
@@ -312,8 +317,8 @@ class Scheduler:
                 new = list(zip(tokens[i][:n], logprobs[i][:n]))
             reason = None
             for tok, lp in new:
-                req.output_ids.append(int(tok))
-                req.output_logprobs.append(float(lp))
+                req.output_ids.append(tok)
+                req.output_logprobs.append(lp)
                 reason = self._check_stop(req)
                 if reason is not None:
                     break

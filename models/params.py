@@ -1,10 +1,13 @@
 """Model weights as registered pytree dataclasses.
 
-Layout (chosen for the decode path, design.md section 5): the four big matrices of each
-layer are separate arrays walked by an unrolled Python loop (no `lax.scan`, which
-materializes per-layer slices: 2.9x the bandwidth floor), while the small per-layer
-vectors (norm weights, biases) are stacked `[L, ...]` so the step has few pytree leaves
-(dispatch cost grows with the leaf count). Matrices are stored `x @ W` style: `[in, out]`.
+Layout (chosen for the decode path, design.md section 5): the forward walks the layers in
+an unrolled Python loop (no `lax.scan`, which materializes per-layer slices: 2.9x the
+bandwidth floor). The small per-layer vectors (norm weights, biases) are stacked `[L, ...]`
+so the step has few pytree leaves (dispatch cost grows with the leaf count). The four big
+matrices of each layer come from the loader as one LayerParams per layer; on one device the
+engine stacks them too (`stack_layers`: `layers` is then one LayerParams of `[L, in, out]`
+arrays, read through static slices `w[i]`), and `layer_at` reads either form. Matrices are
+stored `x @ W` style: `[in, out]`.
 
 Fused column blocks under tensor parallelism. `wqkv` (and `bqkv`) fuse q, k and v on the
 output axis, `w_gate_up` fuses gate and up. Sharding such an axis over N devices in the
@@ -51,11 +54,52 @@ class ModelParams:
     final_norm: jax.Array  # [D]
     attn_norm: jax.Array  # [L, D]
     mlp_norm: jax.Array  # [L, D]
-    layers: tuple[LayerParams, ...]
+    layers: tuple[LayerParams, ...] | LayerParams  # one per layer, or one of [L, ...] arrays (stack_layers)
     lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
     q_norm: jax.Array | None = None  # [L, HD] (Qwen3 qk-norm)
     k_norm: jax.Array | None = None  # [L, HD]
     bqkv: jax.Array | None = None  # [L, (H + 2 * KVH) * HD] (Qwen2 qkv bias), in the layers' qkv_shards layout
+
+
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def num_layers(params: ModelParams) -> int:
+    layers = params.layers
+    return layers.wqkv.shape[0] if isinstance(layers, LayerParams) else len(layers)
+
+
+def layer_at(params: ModelParams, i: int) -> LayerParams:
+    """Layer i's weights, from either form of `params.layers`. A static slice of a stacked
+    matrix, which XLA's matmul reads in place: the unrolled chain over stacked weights runs
+    at the bandwidth floor (benchmarks/scan_probe.py), unlike a loop over them."""
+    layers = params.layers
+    if isinstance(layers, LayerParams):
+        return dataclasses.replace(layers, **{name: getattr(layers, name)[i] for name in MATRICES})  # [L, in, out] -> [in, out]
+    return layers[i]
+
+
+def stack_layers(params: ModelParams, *, delete_source: bool = False) -> ModelParams:
+    """The same weights with each of the four matrices of all layers in one `[L, in, out]`
+    array. Why: every array is an argument leaf of each jitted step, and JAX's per-call
+    argument handling grows with the leaf count (Qwen3-8B: 151 weight leaves, 11 stacked).
+
+    With `delete_source` (weights the engine loaded itself), each kind's per-layer arrays
+    are deleted as soon as its stack exists, so the memory peak is the weights plus one kind,
+    not twice the weights. Under tensor parallelism the engine keeps per-layer arrays."""
+    if isinstance(params.layers, LayerParams):
+        return params
+    first = params.layers[0]
+    if any((l.qkv_shards, l.gate_up_shards) != (first.qkv_shards, first.gate_up_shards) for l in params.layers):
+        raise ValueError("layers with different fused-column layouts cannot be stacked")
+    stacked = {}
+    for name in MATRICES:
+        parts = [getattr(l, name) for l in params.layers]
+        stacked[name] = jnp.stack(parts)  # L x [in, out] -> [L, in, out]
+        if delete_source:
+            for x in parts:
+                x.delete()
+    return dataclasses.replace(params, layers=dataclasses.replace(first, **stacked))
 
 
 # ----------------------------------------------------------------------------------------
@@ -123,7 +167,10 @@ def relayout(params, cfg: ModelConfig, tp: int):
     (weights loaded with the engine's `tensor_parallel_size` do)."""
     want_qkv, want_gu = layout_shards(cfg, tp)
     single = not hasattr(params, "layers")
-    layers = (params.layer,) if single else params.layers
+    # One LayerParams: EagleParams' layer, or stacked layers (the conversions below work on
+    # the last axis, so a stack converts as one array).
+    one = single or isinstance(params.layers, LayerParams)
+    layers = (params.layer,) if single else (params.layers,) if one else params.layers
     if all(l.qkv_shards == want_qkv and l.gate_up_shards == want_gu for l in layers):
         return params
 
@@ -141,4 +188,4 @@ def relayout(params, cfg: ModelConfig, tp: int):
     bqkv = None if params.bqkv is None else convert(params.bqkv, qkv_sizes(cfg), layers[0].qkv_shards, want_qkv)
     if single:
         return dataclasses.replace(params, layer=new_layers[0], bqkv=bqkv)
-    return dataclasses.replace(params, layers=new_layers, bqkv=bqkv)
+    return dataclasses.replace(params, layers=new_layers[0] if one else new_layers, bqkv=bqkv)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.params import LayerParams, ModelParams
+from jaxoverlap.models.params import LayerParams, ModelParams, layer_at, num_layers
 # The XLA gather path is the CPU production path and the reference of the Pallas kernels.
 from jaxoverlap.pallas_kernels.reference import paged_attention_ref as xla_paged_attention
 
@@ -128,7 +128,9 @@ def forward(
     x = params.embed[tokens]  # [R, Q, D]
     h = rms_norm(x, params.attn_norm[0], eps)
     # An unrolled loop over per-layer arrays (not lax.scan): see models/params.py.
-    for i, lw in enumerate(params.layers):
+    L = num_layers(params)
+    for i in range(L):
+        lw = layer_at(params, i)
         qkv = jnp.dot(h, lw.wqkv)  # [R, Q, (H + 2KVH) * HD]
         if params.bqkv is not None:
             qkv = qkv + params.bqkv[i]
@@ -151,7 +153,7 @@ def forward(
                           ctx_len=ctx_len)
         x, h = add_norm(x, jnp.dot(o.reshape(R, Q, H * HD), lw.wo), params.mlp_norm, i)  # [R, Q, D]
         # The residual add of the MLP comes with the next layer's input norm (the final norm last).
-        last = i == len(params.layers) - 1
+        last = i == L - 1
         x, h = add_norm(x, gated_mlp(h, lw), params.final_norm[None] if last else params.attn_norm,
                         0 if last else i + 1)
     return h, k_cache, v_cache

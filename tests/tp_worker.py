@@ -17,8 +17,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from engine_fixtures import make_engine, run_workload, tiny_config  # noqa: E402
 from jaxoverlap import parallel  # noqa: E402
-from jaxoverlap.models.params import relayout  # noqa: E402
-from jaxoverlap.models.transformer import forward  # noqa: E402
+from jaxoverlap.models.params import layer_at, relayout, stack_layers  # noqa: E402
+from jaxoverlap.models.transformer import dense_logits, forward  # noqa: E402
 from jaxoverlap.sampling_params import SamplingParams  # noqa: E402
 
 # Every cross-device op XLA can insert; "-start" is the async form some backends emit.
@@ -109,8 +109,9 @@ def main():
         out[name] = {
             "tokens": {k: v.token_ids for k, v in sorted(finals.items())},
             "kv_devices": len(sharding.device_set),
-            "wqkv_spec": str(getattr(eng.runner.params.layers[0].wqkv.sharding, "spec", "")),
-            "qkv_shards": eng.runner.params.layers[0].qkv_shards,
+            "wqkv_spec": str(getattr(layer_at(eng.runner.params, 0).wqkv.sharding, "spec", "")),
+            "qkv_shards": layer_at(eng.runner.params, 0).qkv_shards,
+            "stacked": not isinstance(eng.runner.params.layers, tuple),
             "retractions": eng.stats()["num_retractions"],
             # parallel.shard_attention's wrapper, or the XLA path's function.
             "attention": getattr(eng.runner.attention, "__name__", ""),
@@ -123,6 +124,13 @@ def main():
             plain = parallel.shard_params(relayout(eng.runner.params, cfg, 1), eng.mesh)
             out[f"hlo-{backend}"] = {"per_shard": forward_collectives(eng, eng.runner.params),
                                      "plain": forward_collectives(eng, plain), "num_layers": cfg.num_layers}
+            # Stacked layers shard too (the stacked axis stays whole): same logits.
+            ids = jnp.arange(1, 12, dtype=jnp.int32)
+            stacked = parallel.shard_params(stack_layers(eng.runner.params), eng.mesh)
+            out[f"stacked-{backend}"] = {
+                "max_logit_diff": float(jnp.max(jnp.abs(dense_logits(stacked, cfg, ids)
+                                                        - dense_logits(eng.runner.params, cfg, ids)))),
+                "wqkv_spec": str(stacked.layers.wqkv.sharding.spec)}
         seconds[name] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     out["fallback_attention_error"] = fallback_attention_error()

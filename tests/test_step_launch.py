@@ -1,17 +1,60 @@
-"""What a decode step hands the host, and how it is launched:
+"""What a step call takes and hands back, and how a decode step is launched:
 
+- the layer matrices stacked [L, ...] on one device (models/params.stack_layers): the same
+  model with fewer argument leaves;
 - one packed int32 array per step (steps.pack_for_host), unpacked on the host without loss;
 - two loaded executables of each decode program used in turn (runner._call_decode), which
   must give exactly the outputs of the one executable.
+
+The engine alternates only on GPU (where XLA records CUDA graphs); these tests switch it on
+for the CPU backend. They use a model shape of their own: XLA:CPU cannot serialize some
+executables that another test's jit call compiled first, and the runner then keeps one.
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_fixtures import assert_drained, make_engine, run_workload
+from engine_fixtures import assert_drained, make_engine, run_workload, tiny_config, tiny_params
+from jaxoverlap.models.loader import dummy_params
+from jaxoverlap.models.params import LayerParams, layer_at, num_layers, stack_layers
+from jaxoverlap.models.transformer import dense_logits
 from jaxoverlap.speculative.step import SpecStepOutput
 from jaxoverlap.steps import StepOutput
 from test_engine_overlap import random_workload
+
+def test_stacked_layers_are_the_same_model():
+    cfg = tiny_config(num_layers=3)
+    params = tiny_params(cfg)
+    stacked = stack_layers(params)
+    assert isinstance(stacked.layers, LayerParams) and stacked.layers.wqkv.shape == (3, *params.layers[0].wqkv.shape)
+    assert num_layers(stacked) == num_layers(params) == 3
+    for i in range(3):
+        for a, b in zip(jax.tree.leaves(layer_at(stacked, i)), jax.tree.leaves(params.layers[i])):
+            np.testing.assert_array_equal(a, b)
+    assert len(jax.tree.leaves(stacked)) == len(jax.tree.leaves(params)) - 4 * (3 - 1)
+    ids = jnp.arange(1, 12, dtype=jnp.int32)
+    np.testing.assert_array_equal(dense_logits(stacked, cfg, ids), dense_logits(params, cfg, ids))
+    assert stack_layers(stacked) is stacked
+
+
+def test_stacking_can_delete_the_per_layer_arrays():
+    cfg = tiny_config()
+    own = dummy_params(cfg, jnp.float32, 0)
+    kept = own.layers[1].w_down
+    want = np.asarray(kept)
+    stacked = stack_layers(own, delete_source=True)
+    assert kept.is_deleted() and all(l.wqkv.is_deleted() for l in own.layers)
+    np.testing.assert_array_equal(stacked.layers.w_down[1], want)
+
+
+def test_the_engine_stacks_on_one_device_and_leaves_the_callers_weights():
+    eng = make_engine()
+    params = tiny_params(tiny_config())  # the weights make_engine passed in
+    assert isinstance(eng.runner.params.layers, LayerParams)
+    assert not any(l.wqkv.is_deleted() for l in params.layers)  # passed in: the caller's to keep
+    assert isinstance(make_engine(stack_layer_weights=False).runner.params.layers, tuple)
+
 
 EDGE_LOGPROBS = np.array([0.0, -0.0, -1e-30, -3.25, -np.inf, -88.7], np.float32)
 
@@ -52,13 +95,22 @@ def _decode_launches(eng) -> int:
     return sum(t.kind == "decode" for t in eng.timings)
 
 
+OWN_SHAPE = tiny_config(intermediate_size=112)  # no other test compiles programs of this shape
+
+
+def engine(alternate: bool, **options):
+    eng = make_engine(OWN_SHAPE, **options)
+    eng.runner.alternate_executables = alternate
+    return eng
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_two_executables_in_turn_give_the_outputs_of_one(greedy):
     """Staggered arrivals over several batch buckets, sampled rows included: the same tokens
     (logprobs through the engine: test_engine_overlap), and the twin really ran about half of each program's launches."""
     results = {}
     for alternate in (True, False):
-        eng = make_engine(alternate_decode_executables=alternate)
+        eng = engine(alternate)
         finals = run_workload(eng, random_workload(3, greedy=greedy))
         assert_drained(eng)
         results[alternate] = {k: v.token_ids for k, v in finals.items()}
@@ -79,8 +131,7 @@ def test_two_executables_with_a_speculative_drafter():
     """The speculative step (packed window, accept lengths) alternates as well."""
     results = {}
     for alternate in (True, False):
-        eng = make_engine(alternate_decode_executables=alternate, speculative_algorithm="ngram_device",
-                          max_context_len=128)
+        eng = engine(alternate, speculative_algorithm="ngram_device")
         finals = run_workload(eng, random_workload(4, n=6))
         assert_drained(eng)
         results[alternate] = {k: v.token_ids for k, v in finals.items()}
@@ -89,8 +140,18 @@ def test_two_executables_with_a_speculative_drafter():
 
 
 def test_warmup_loads_the_twin_of_each_program():
-    eng = make_engine(batch_buckets=(2, 4), max_running_requests=4)
+    eng = engine(True, batch_buckets=(2, 4), max_running_requests=4)
     report = eng.warmup()
     r = eng.runner
     keys = {r._program_key(x["batch"], False, x["ctx_len"], x["sampling"], x["draft"]) for x in report}
     assert keys <= set(r._twins) and all(r._twins[k] is not None for k in keys)
+
+
+def test_the_engine_alternates_only_on_gpu():
+    import jax
+
+    from jaxoverlap.config import EngineConfig
+
+    assert make_engine().runner.alternate_executables == (jax.default_backend() == "gpu")
+    assert not make_engine(alternate_decode_executables=False).runner.alternate_executables
+    assert EngineConfig().alternate_decode_executables
