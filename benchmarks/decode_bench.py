@@ -102,8 +102,9 @@ def main():
                     help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
                          "or off (unfused), only the attention one (fused_attention), or the default kernels with "
                          "one executable per decode program instead of two in turn (single_exec)")
-    ap.add_argument("--unstacked", action="store_true",
-                    help="keep one array per layer matrix (stack_layer_weights=False; compare in a second process)")
+    ap.add_argument("--stacked", action="store_true",
+                    help="stack each layer matrix kind into one array (stack_layer_weights=True; compare in a "
+                         "second process)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()
@@ -121,14 +122,14 @@ def main():
         model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy", dtype="bfloat16",
         max_running_requests=max_b, max_context_len=ctx, kv_cache_tokens=max_b * ctx // 2,
         chunked_prefill_size=2048, max_prefill_requests=8, page_size=16, batch_buckets=tuple(sorted(args.batches)),
-        attention_backend=args.attention_backend, stack_layer_weights=not args.unstacked,
+        attention_backend=args.attention_backend, stack_layer_weights=args.stacked,
         # Both loops run the same prompts; a prefix-cache hit in the second run would change
         # its prefill shapes (and bf16 rounding), so the comparison runs without the cache.
         disable_prefix_cache=True,
     ))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.runner.params))
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
-    print(f"weight leaves {len(jax.tree.leaves(engine.runner.params))} (stacked: {not args.unstacked})", flush=True)
+    print(f"weight leaves {len(jax.tree.leaves(engine.runner.params))} (stacked: {args.stacked})", flush=True)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
           f"floor {floor_ms:.3f} ms; engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
 

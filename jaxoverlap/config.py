@@ -31,8 +31,9 @@ class EngineConfig:
     # step's CUDA graph for its moved output on every call (runner._call_decode). One GPU only.
     alternate_decode_executables: bool = True
     # One device: each layer matrix kind as one [L, ...] array (models/params.stack_layers),
-    # so each step call has ~11 weight leaves instead of 151 (Qwen3-8B).
-    stack_layer_weights: bool = True
+    # so each step call has 11 weight leaves instead of 151 (Qwen3-8B): on the H200 a 21%
+    # shorter launch at batch 1, but 6-7x longer compiles (benchmarks/RESULTS.md), so off.
+    stack_layer_weights: bool = False
     max_queued_requests: int = 4096
     # Speculative decoding (names follow SGLang's flags). One step verifies a window of
     # speculative_num_draft_tokens = 1 + speculative_num_steps positions per request.

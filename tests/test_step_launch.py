@@ -48,12 +48,20 @@ def test_stacking_can_delete_the_per_layer_arrays():
     np.testing.assert_array_equal(stacked.layers.w_down[1], want)
 
 
-def test_the_engine_stacks_on_one_device_and_leaves_the_callers_weights():
-    eng = make_engine()
+def test_the_engine_stacks_when_asked_and_leaves_the_callers_weights():
+    assert isinstance(make_engine().runner.params.layers, tuple)  # off by default (slow compiles)
+    eng = make_engine(stack_layer_weights=True)
     params = tiny_params(tiny_config())  # the weights make_engine passed in
     assert isinstance(eng.runner.params.layers, LayerParams)
     assert not any(l.wqkv.is_deleted() for l in params.layers)  # passed in: the caller's to keep
-    assert isinstance(make_engine(stack_layer_weights=False).runner.params.layers, tuple)
+
+
+def test_stacked_engine_gives_the_tokens_of_the_per_layer_one():
+    from test_engine_overlap import random_workload
+
+    results = [{k: v.token_ids for k, v in run_workload(make_engine(stack_layer_weights=s), random_workload(5)).items()}
+               for s in (True, False)]
+    assert results[0] == results[1]
 
 
 EDGE_LOGPROBS = np.array([0.0, -0.0, -1e-30, -3.25, -np.inf, -88.7], np.float32)
