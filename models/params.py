@@ -76,7 +76,8 @@ def layer_at(params: ModelParams, i: int) -> LayerParams:
     at the bandwidth floor (benchmarks/scan_probe.py), unlike a loop over them."""
     layers = params.layers
     if isinstance(layers, LayerParams):
-        return dataclasses.replace(layers, **{name: getattr(layers, name)[i] for name in MATRICES})  # [L, in, out] -> [in, out]
+        # [L, in, out] -> [in, out]
+        return dataclasses.replace(layers, **{name: getattr(layers, name)[i] for name in MATRICES})
     return layers[i]
 
 

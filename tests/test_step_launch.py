@@ -59,8 +59,9 @@ def test_the_engine_stacks_when_asked_and_leaves_the_callers_weights():
 def test_stacked_engine_gives_the_tokens_of_the_per_layer_one():
     from test_engine_overlap import random_workload
 
-    results = [{k: v.token_ids for k, v in run_workload(make_engine(stack_layer_weights=s), random_workload(5)).items()}
-               for s in (True, False)]
+    results = [{k: v.token_ids for k, v in run_workload(make_engine(stack_layer_weights=stack),
+                                                        random_workload(5)).items()}
+               for stack in (True, False)]
     assert results[0] == results[1]
 
 
