@@ -134,10 +134,11 @@ def main():
           f"floor {floor_ms:.3f} ms; engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     rows = []
+    alternate = engine.runner.alternate_executables  # the engine's choice (on for one GPU)
     for B in args.batches:
         first_outputs = None
         for variant in args.variants:
-            engine.runner.alternate_executables = variant != "single_exec"
+            engine.runner.alternate_executables = alternate and variant != "single_exec"
             if variant not in ("default", "single_exec"):
                 engine.set_fused_decode(variant != "unfused")
             if variant == "fused_attention":

@@ -235,9 +235,9 @@ def main():
             engine.set_overlap(True)
             single = {}
             if args.compare_single_executable:
-                engine.runner.alternate_executables = False
+                alternate, engine.runner.alternate_executables = engine.runner.alternate_executables, False
                 one = run_workload(engine, args, B, args.new_tokens, seed=B)
-                engine.runner.alternate_executables = True
+                engine.runner.alternate_executables = alternate
                 single = {"single_exec_host_launch_ms": one["host_launch_ms"],
                           "single_exec_host_total_ms": one["host_total_ms"],
                           "single_exec_period_ms": one["step_period_ms"],
