@@ -211,8 +211,8 @@ class ModelRunner:
     def _call_decode(self, key: tuple, step, args, static):
         if not self.alternate_executables:
             return step(*args, **static)
-        if key not in self._twins:
-            self._twins[key] = self._copy_executable(step, args, static)
+        if key not in self._twins:  # jit's own cache entry: compiles at most once
+            self._twins[key] = self._copy_executable(step.lower(*args, **static).compile())
         twin = self._twins[key]
         use_twin = twin is not None and self._turn.get(key, False)
         self._turn[key] = not use_twin
@@ -221,14 +221,13 @@ class ModelRunner:
             return twin(*args)  # static arguments are part of the compiled program
         return step(*args, **static)
 
-    def _copy_executable(self, step, args, static):
-        """A second loaded copy of the program that `step(*args, **static)` runs: the compiled
-        program serialized and loaded again, so it costs no second compilation. None where
-        this backend cannot serialize it (the launch then uses the one executable)."""
+    def _copy_executable(self, compiled):
+        """A second loaded copy of a compiled program: serialized and loaded again, so it
+        costs no second compilation. None where this backend cannot serialize it (the launch
+        then uses the one executable)."""
         import jax
         from jax.experimental import serialize_executable
 
-        compiled = step.lower(*args, **static).compile()  # jit's own cache entry: compiles at most once
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
             device = next(iter(jax.tree.leaves(self.params)[0].devices()))
@@ -296,10 +295,10 @@ class ModelRunner:
             t = time.perf_counter()
             step, args, static = self._decode_program(put(np.zeros((B,), np.int32)), steps.Reservations(put(res.table)),
                                                       host, ctx, s, draft)
-            step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs, nothing is donated
+            compiled = step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs or is donated
             if self.alternate_executables:
                 key = self._program_key(B, host is not None, ctx, s, draft)
-                self._twins[key] = self._copy_executable(step, args, static)
+                self._twins[key] = self._copy_executable(compiled)
             return {"batch": B, "ctx_len": ctx, "sampling": s, "draft": draft, "seconds": time.perf_counter() - t}
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
