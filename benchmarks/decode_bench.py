@@ -98,13 +98,12 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device-iters", type=int, default=50)
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--variants", nargs="+", default=["default"], choices=["default", "fused", "unfused", "fused_attention", "single_exec"],
+    ap.add_argument("--variants", nargs="+", default=["default"],
+                    choices=["default", "fused", "unfused", "fused_attention", "single_exec", "stacked", "per_layer"],
                     help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
-                         "or off (unfused), only the attention one (fused_attention), or the default kernels with "
-                         "one executable per decode program instead of two in turn (single_exec)")
-    ap.add_argument("--stacked", action="store_true",
-                    help="stack each layer matrix kind into one array (stack_layer_weights=True; compare in a "
-                         "second process)")
+                         "or off (unfused), only the attention one (fused_attention), the default kernels with "
+                         "one executable per decode program instead of two in turn (single_exec), or the weights "
+                         "in the stacked or per-layer layout (a second copy of them)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()
@@ -113,6 +112,7 @@ def main():
 
     from jaxoverlap.config import EngineConfig
     from jaxoverlap.engine import Engine
+    from jaxoverlap.models.params import is_stacked, stack_layers, unstack_layers
 
     t0 = time.perf_counter()
     bw = copy_bandwidth_gbs(1 << 26 if args.tiny else 4 << 30)
@@ -122,14 +122,17 @@ def main():
         model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy", dtype="bfloat16",
         max_running_requests=max_b, max_context_len=ctx, kv_cache_tokens=max_b * ctx // 2,
         chunked_prefill_size=2048, max_prefill_requests=8, page_size=16, batch_buckets=tuple(sorted(args.batches)),
-        attention_backend=args.attention_backend, stack_layer_weights=args.stacked,
+        attention_backend=args.attention_backend,
         # Both loops run the same prompts; a prefix-cache hit in the second run would change
         # its prefill shapes (and bf16 rounding), so the comparison runs without the cache.
         disable_prefix_cache=True,
     ))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.runner.params))
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
-    print(f"weight leaves {len(jax.tree.leaves(engine.runner.params))} (stacked: {args.stacked})", flush=True)
+    default_params = engine.runner.params
+    layouts = {"stacked": stack_layers(default_params), "per_layer": unstack_layers(default_params)}
+    layouts = {k: v for k, v in layouts.items() if k in args.variants}  # the copies a variant needs
+    print(f"weight leaves {len(jax.tree.leaves(default_params))} (stacked: {is_stacked(default_params)})", flush=True)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
           f"floor {floor_ms:.3f} ms; engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -139,7 +142,8 @@ def main():
         first_outputs = None
         for variant in args.variants:
             engine.runner.alternate_executables = alternate and variant != "single_exec"
-            if variant not in ("default", "single_exec"):
+            engine.runner.params = layouts.get(variant, default_params)
+            if variant in ("fused", "unfused", "fused_attention"):
                 engine.set_fused_decode(variant != "unfused")
             if variant == "fused_attention":
                 # The attention kernel fused, the residual add + norm left to XLA: a backend

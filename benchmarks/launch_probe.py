@@ -19,6 +19,8 @@ inputs, and measures:
   moves and XLA need not update the graph (`stable_output_dispatch`);
 - with --alternate, two executables of the same step used in turn, so that each sees its
   outputs at one address (`alternating_dispatch`);
+- with --host-out, the step placing its packed output in pinned host memory itself, with
+  no copy to start after the call (`host_output_dispatch`);
 - variants vlog_update / vlog_thunk: XLA's own logs of each graph update (`_vlog_summary`).
 
     python benchmarks/launch_probe.py --batches 1 32 --out launch.json --trace-dir $OUT
@@ -405,6 +407,63 @@ def alternating_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     return out
 
 
+def host_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
+    """Would the step writing its packed output straight into pinned host memory shorten the
+    launch? The engine starts one `copy_to_host_async` per step after the call; here the
+    program itself places the output in host memory (`jax.device_put` to a `pinned_host`
+    sharding inside the jit), so no copy is started. Both modes run two serialized copies
+    of their program in turn, as the engine does, in the engine pattern (launch N+1, block
+    on N's output); reports the call's median, the wait, and whether the tokens agree."""
+    import jax
+    import numpy as np
+    from jax.experimental import serialize_executable
+
+    from jaxoverlap import steps
+
+    static = dict(kw)
+    device = entries.devices().pop()
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+
+    def to_host(params, state, entries, res):
+        state, o = steps.decode_step.__wrapped__(params, state, entries, res, **static)
+        return state, steps.StepOutput(jax.device_put(o.packed, host))
+
+    def pair(fn):
+        compiled = fn.lower(r.params, r.state, entries, res).compile()
+        blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+        return compiled, serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+
+    t = time.perf_counter()
+    plain = pair(jax.jit(lambda p, s, e, rs: steps.decode_step.__wrapped__(p, s, e, rs, **static), donate_argnums=1))
+    pinned = pair(jax.jit(to_host, donate_argnums=1))
+    out = {"host_out_compile_s": time.perf_counter() - t}
+    last = {}
+    start_tokens = np.asarray(r.state.relay.tokens)  # both modes start from the same tokens and lengths
+    for mode, fns, copies in (("device_out", plain, True), ("pinned_out", pinned, False)):
+        reset_lengths()
+        relay = dataclasses.replace(r.state.relay, tokens=jax.device_put(start_tokens, device))
+        r.state = dataclasses.replace(r.state, relay=relay)
+        r.state, prev = fns[0](r.params, r.state, entries, res)
+        np.asarray(prev.packed)
+        out[f"{mode}_memory_kind"] = prev.packed.sharding.memory_kind
+        ts, waits = [], []
+        for i in range(iters):
+            t = time.perf_counter()
+            r.state, o = fns[(i + 1) % 2](r.params, r.state, entries, res)
+            if copies:
+                o.packed.copy_to_host_async()
+            t1 = time.perf_counter()
+            last[mode] = np.asarray(prev.packed)
+            ts.append(t1 - t)
+            waits.append(time.perf_counter() - t1)
+            prev = o
+        last[mode] = np.asarray(prev.packed)
+        out[f"{mode}_dispatch_ms"] = median(ts[2:]) * 1e3
+        out[f"{mode}_wait_ms"] = median(waits[2:]) * 1e3
+    out["host_out_tokens_equal"] = bool(np.array_equal(last["device_out"], last["pinned_out"]))
+    return out
+
+
 def unrolled_dispatch(r, entries, res, kw, reset_lengths, iters, unroll) -> dict:
     """Would several decode steps per launch amortise the launch? For each n in `unroll`,
     one program chains n decode steps (each feeds the next through the relay, as
@@ -454,7 +513,6 @@ def unrolled_dispatch(r, entries, res, kw, reset_lengths, iters, unroll) -> dict
 def child(args) -> dict:
     ensure_importable()
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from jaxoverlap import steps
@@ -554,6 +612,8 @@ def child(args) -> dict:
             row.update(address_report(r, entries, res_none, kw, reset_lengths))
         if args.alternate:  # after the checksum, like the paced calls
             row.update(alternating_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
+        if args.host_out:  # after the checksum, like the paced calls
+            row.update(host_output_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
         if args.unroll:  # after the checksum, like the paced calls
             row.update(unrolled_dispatch(r, entries, res_none, kw, reset_lengths, args.iters, args.unroll))
         out["rows"].append(row)
@@ -584,6 +644,8 @@ def main():
                     help="also time the step writing its outputs into donated buffers (no graph update)")
     ap.add_argument("--alternate", action="store_true",
                     help="also time two executables of the step used in turn (no graph update per call)")
+    ap.add_argument("--host-out", action="store_true",
+                    help="also time the step writing its packed output into pinned host memory")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--variant", default="default")
     args = ap.parse_args()
@@ -596,7 +658,7 @@ def main():
                       "--batches", *map(str, args.batches)]
         if args.trace_dir:
             child_args += ["--trace-dir", args.trace_dir]
-        for flag in ("tiny", "no_stable", "paced", "addresses", "stable_out", "alternate"):
+        for flag in ("tiny", "no_stable", "paced", "addresses", "stable_out", "alternate", "host_out"):
             if getattr(args, flag):
                 child_args.append("--" + flag.replace("_", "-"))
         if args.unroll:

@@ -181,6 +181,9 @@ def main():
     ap.add_argument("--compare-single-executable", action="store_true",
                     help="also run the overlap workload with one executable per decode program (host time and "
                          "period against the default's two in turn)")
+    ap.add_argument("--compare-per-layer", action="store_true",
+                    help="also run the overlap workload with the target's weights per layer (the engine stacks them "
+                         "on one GPU)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="spec_bench.json")
     args = ap.parse_args()
@@ -211,9 +214,11 @@ def main():
     cols = ["backend", "batch", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms",
             "device_accept", "ms_per_token", "speedup_vs_plain", "overlap_period_ms", "normal_period_ms", "overlap_tok_s",
             "normal_tok_s", "host_total_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
-    if args.compare_single_executable:
-        cols += ["host_launch_ms", "single_exec_host_launch_ms", "single_exec_host_total_ms", "single_exec_period_ms",
-                 "single_exec_identical"]
+    if args.compare_single_executable or args.compare_per_layer:
+        cols.append("host_launch_ms")
+    for name, on in (("single_exec", args.compare_single_executable), ("per_layer", args.compare_per_layer)):
+        if on:
+            cols += [f"{name}_host_launch_ms", f"{name}_host_total_ms", f"{name}_period_ms", f"{name}_identical"]
     for backend, algo in [(b, a) for b in args.attention_backend for a in args.algos]:
         tc = time.perf_counter()
         engine = make_engine(args, algo, backend, path, cfg, params)
@@ -233,15 +238,22 @@ def main():
                 engine.set_overlap(overlap)
                 res[overlap] = run_workload(engine, args, B, args.new_tokens, seed=B)
             engine.set_overlap(True)
-            single = {}
-            if args.compare_single_executable:
-                alternate, engine.runner.alternate_executables = engine.runner.alternate_executables, False
+            compared = {}
+            for name, on in (("single_exec", args.compare_single_executable), ("per_layer", args.compare_per_layer)):
+                if not on:
+                    continue
+                r = engine.runner
+                saved = r.alternate_executables, r.params
+                if name == "single_exec":
+                    r.alternate_executables = False
+                else:
+                    r.params = params  # the caller's per-layer weights (the engine stacked its own copy)
                 one = run_workload(engine, args, B, args.new_tokens, seed=B)
-                engine.runner.alternate_executables = alternate
-                single = {"single_exec_host_launch_ms": one["host_launch_ms"],
-                          "single_exec_host_total_ms": one["host_total_ms"],
-                          "single_exec_period_ms": one["step_period_ms"],
-                          "single_exec_identical": one.pop("outputs") == res[True]["outputs"]}
+                r.alternate_executables, r.params = saved
+                compared.update({f"{name}_host_launch_ms": one["host_launch_ms"],
+                                 f"{name}_host_total_ms": one["host_total_ms"],
+                                 f"{name}_period_ms": one["step_period_ms"],
+                                 f"{name}_identical": one.pop("outputs") == res[True]["outputs"]})
             same = res[True].pop("outputs") == res[False].pop("outputs")
             ov, no = res[True], res[False]
             if algo == "plain":
@@ -263,7 +275,7 @@ def main():
                 "host_process_ms": ov["host_process_ms"], "host_total_ms": ov["host_total_ms"],
                 "normal_host_total_ms": no["host_total_ms"], "normal_wait_ms": no["wait_ms"],
                 "ngram_wait_ms": ov["ngram_wait_ms"], "draft_ms": ov["draft_ms"],
-                "greedy_identical": same, **single, "detail": res,
+                "greedy_identical": same, **compared, "detail": res,
             })
             print_table(rows[-1:], cols)
             with open(args.out, "w") as f:

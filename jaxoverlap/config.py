@@ -30,10 +30,11 @@ class EngineConfig:
     # Run each decode program as two loaded copies in turn, so that XLA need not update the
     # step's CUDA graph for its moved output on every call (runner._call_decode). One GPU only.
     alternate_decode_executables: bool = True
-    # One device: each layer matrix kind as one [L, ...] array (models/params.stack_layers),
-    # so each step call has 11 weight leaves instead of 151 (Qwen3-8B): on the H200 a 21%
-    # shorter launch at batch 1, but 6-7x longer compiles (benchmarks/RESULTS.md), so off.
-    stack_layer_weights: bool = False
+    # Each layer matrix kind as one [L, ...] array (models/params.stack_layers), so each step
+    # call has 11 weight leaves instead of 151 (Qwen3-8B), which shortens the launch
+    # (benchmarks/RESULTS.md). None: on one GPU only (elsewhere the launch cost is not the
+    # host's bottleneck, and under tensor parallelism the weights stay per layer).
+    stack_layer_weights: bool | None = None
     max_queued_requests: int = 4096
     # Speculative decoding (names follow SGLang's flags). One step verifies a window of
     # speculative_num_draft_tokens = 1 + speculative_num_steps positions per request.

@@ -32,7 +32,7 @@ from jaxoverlap.config import EngineConfig
 from jaxoverlap.device_state import init_device_state, kv_cache_bytes_per_token
 from jaxoverlap.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.params import stack_layers
+from jaxoverlap.models.params import ModelParams, stack_layers
 from jaxoverlap.outputs import RequestOutput
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
@@ -109,7 +109,9 @@ class Engine:
                 load_format=config.load_format, seed=config.seed, cache_dir=config.weights_cache_dir,
                 tensor_parallel_size=config.tensor_parallel_size,  # per-shard qkv / gate_up columns
             )
-        if config.tensor_parallel_size == 1 and config.stack_layer_weights:
+        stack = config.stack_layer_weights
+        stack = config.tensor_parallel_size == 1 and (jax.default_backend() == "gpu" if stack is None else stack)
+        if stack:
             # Fewer argument leaves per step call (models/params.py). Before the KV cache is
             # sized, so that a caller's own copy of the weights is counted.
             params = stack_layers(params, delete_source=owns_params)
@@ -126,6 +128,9 @@ class Engine:
 
         self.drafter = build_drafter(config, self.model_config, self.dtype, draft_model_config=draft_model_config,
                                      draft_params=draft_params, eagle_config=eagle_config, eagle_params=eagle_params)
+        if stack and self.drafter is not None and isinstance(self.drafter.params, ModelParams):
+            # A draft model's layers too: its leaves are arguments of every speculative step.
+            self.drafter.params = stack_layers(self.drafter.params, delete_source=draft_params is None)
         spec = self.drafter.spec if self.drafter is not None else None
 
         mc, ps = self.model_config, config.page_size

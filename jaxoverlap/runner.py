@@ -22,7 +22,7 @@ from jaxoverlap import steps
 from jaxoverlap.buckets import next_power_of_two, pick, powers_of_two_up_to
 from jaxoverlap.device_state import DeviceState
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.params import ModelParams
+from jaxoverlap.models.params import ModelParams, is_stacked
 from jaxoverlap.scheduler import ScheduledBatch
 
 
@@ -206,7 +206,8 @@ class ModelRunner:
     # its graph on every call. Two copies of the executable used in turn each find their
     # output where they left it two steps before (measured: benchmarks/RESULTS.md).
     def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool) -> tuple:
-        return (B, host_drafts, ctx_len, sampling, draft, self.attention)
+        # The weights' layout too: a benchmark may swap `params` for the other layout.
+        return (B, host_drafts, ctx_len, sampling, draft, self.attention, is_stacked(self.params))
 
     def _call_decode(self, key: tuple, step, args, static):
         if not self.alternate_executables:

@@ -7,8 +7,8 @@ so the step has few pytree leaves (dispatch cost grows with the leaf count). The
 matrices of each layer come from the loader as one LayerParams per layer. With
 `stack_layer_weights` (one device) the engine stacks them too (`stack_layers`: `layers` is
 then one LayerParams of `[L, in, out]` arrays, read through static slices `w[i]`); it is
-off by default because XLA compiles the stacked form 6-7x more slowly. `layer_at` reads
-either form. Matrices are stored `x @ W` style: `[in, out]`.
+on by default on one GPU; its programs compile with `STACKED_COMPILER_OPTIONS`.
+`layer_at` reads either form. Matrices are stored `x @ W` style: `[in, out]`.
 
 Fused column blocks under tensor parallelism. `wqkv` (and `bqkv`) fuse q, k and v on the
 output axis, `w_gate_up` fuses gate and up. Sharding such an axis over N devices in the
@@ -64,6 +64,19 @@ class ModelParams:
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
+# XLA options for the programs that read stacked weights. XLA autotunes each distinct
+# matmul fusion, and the static slice `w[i]` fused into a Triton GEMM makes each layer's
+# matmul a fusion of its own (the slice offset differs): 36 x 4 autotunings instead of 4,
+# 57 s against 14 s for the Qwen3-8B forward on the H200. With Triton GEMMs off, XLA runs
+# the matmuls on cuBLAS reading the slice in place: 11 s, and the forward as fast
+# (benchmarks/stack_compile_probe.py; RESULTS.md). XLA:CPU ignores the option.
+STACKED_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def is_stacked(params) -> bool:
+    """Whether `params` (ModelParams or a drafter's weights) holds stacked layer matrices."""
+    return isinstance(getattr(params, "layers", None), LayerParams)
+
 
 def num_layers(params: ModelParams) -> int:
     layers = params.layers
@@ -103,6 +116,13 @@ def stack_layers(params: ModelParams, *, delete_source: bool = False) -> ModelPa
             for x in parts:
                 x.delete()
     return dataclasses.replace(params, layers=dataclasses.replace(first, **stacked))
+
+
+def unstack_layers(params: ModelParams) -> ModelParams:
+    """The inverse of `stack_layers`: one LayerParams per layer (copies of the slices)."""
+    if not isinstance(params.layers, LayerParams):
+        return params
+    return dataclasses.replace(params, layers=tuple(layer_at(params, i) for i in range(num_layers(params))))
 
 
 # ----------------------------------------------------------------------------------------
