@@ -39,7 +39,7 @@ def child(args) -> dict:
         model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy",
         dtype="float32" if args.tiny else "bfloat16", max_running_requests=args.max_running_requests,
         max_context_len=args.max_context_len, kv_cache_tokens=args.max_running_requests * 512,
-        compilation_cache_dir=args.cache_dir, **spec,
+        compilation_cache_dir=args.cache_dir, layers_per_weight_stack=args.layers_per_weight_stack, **spec,
     ))
     build_s = time.perf_counter() - t
     r = engine.runner
@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-context-len", type=int, default=4096)
+    ap.add_argument("--layers-per-weight-stack", type=int, default=1)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--timeout-s", type=int, default=300, help="per phase")
     ap.add_argument("--out", default="compile.json")

@@ -99,11 +99,13 @@ def main():
     ap.add_argument("--device-iters", type=int, default=50)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--variants", nargs="+", default=["default"],
-                    choices=["default", "fused", "unfused", "fused_attention", "single_exec", "stacked", "per_layer"],
+                    choices=["default", "fused", "unfused", "fused_attention", "single_exec", "stacked", "per_layer",
+                             "group4", "group12", "no_host_copy"],
                     help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
                          "or off (unfused), only the attention one (fused_attention), the default kernels with "
                          "one executable per decode program instead of two in turn (single_exec), or the weights "
-                         "in the stacked or per-layer layout (a second copy of them)")
+                         "in one stack, per layer or in groups of 4 or 12 layers (a second copy of them), or without starting each "
+                         "step's copy to the host at launch (no_host_copy: fetch copies once the step is done)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()
@@ -112,7 +114,7 @@ def main():
 
     from jaxoverlap.config import EngineConfig
     from jaxoverlap.engine import Engine
-    from jaxoverlap.models.params import is_stacked, stack_layers, unstack_layers
+    from jaxoverlap.models.params import layers_per_stack, stack_layers, unstack_layers
 
     t0 = time.perf_counter()
     bw = copy_bandwidth_gbs(1 << 26 if args.tiny else 4 << 30)
@@ -130,9 +132,13 @@ def main():
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.runner.params))
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
     default_params = engine.runner.params
-    layouts = {"stacked": stack_layers(default_params), "per_layer": unstack_layers(default_params)}
-    layouts = {k: v for k, v in layouts.items() if k in args.variants}  # the copies a variant needs
-    print(f"weight leaves {len(jax.tree.leaves(default_params))} (stacked: {is_stacked(default_params)})", flush=True)
+    per_layer = unstack_layers(default_params)
+    layouts = {"stacked": lambda: stack_layers(per_layer), "per_layer": lambda: per_layer,
+               "group4": lambda: stack_layers(per_layer, group_size=4),
+               "group12": lambda: stack_layers(per_layer, group_size=12)}
+    layouts = {k: make() for k, make in layouts.items() if k in args.variants}  # the copies a variant needs
+    print(f"weight leaves {len(jax.tree.leaves(default_params))} (layers per stack: "
+          f"{layers_per_stack(default_params)})", flush=True)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
           f"floor {floor_ms:.3f} ms; engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -143,6 +149,7 @@ def main():
         for variant in args.variants:
             engine.runner.alternate_executables = alternate and variant != "single_exec"
             engine.runner.params = layouts.get(variant, default_params)
+            engine.runner.start_host_copy = variant != "no_host_copy"
             if variant in ("fused", "unfused", "fused_attention"):
                 engine.set_fused_decode(variant != "unfused")
             if variant == "fused_attention":

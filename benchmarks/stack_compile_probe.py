@@ -44,11 +44,23 @@ VARIANTS = {
     "stacked_dynamic_slice_fusion": ("stacked", DYNAMIC_SLICE_FUSION),
     "stacked_no_triton_gemm_dsf": ("stacked", {**NO_TRITON_GEMM, **DYNAMIC_SLICE_FUSION}),
     "stacked_autotune_off": ("stacked", {"xla_gpu_autotune_level": 0}),
+    # Each layer's slice as a dynamic index from a runtime array (`layer_ids`), so the 36
+    # layers' matmul fusions are one fusion (same HLO, other operand values) and XLA could
+    # autotune it once, if its Triton GEMM takes a dynamic-slice operand in place.
+    "stacked_dynamic": ("stacked_dynamic", {}),
+    # Groups of G consecutive layers, `[G, in, out]` (stack_layers(group_size=G)): layer i's
+    # slice offset is i % G, so there are G x 4 distinct matmul fusions to autotune, not 36 x 4.
+    "grouped4": ("grouped4", {}),
+    "grouped12": ("grouped12", {}),
+    # cuBLAS's classic API instead of cuBLASLt (its own kernels for one-row matmuls).
+    "stacked_cublas": ("stacked", {**NO_TRITON_GEMM, "xla_gpu_enable_cublaslt": False}),
+    "per_layer_cublas": ("per_layer", {**NO_TRITON_GEMM, "xla_gpu_enable_cublaslt": False}),
 }
 # Substrings of the optimized HLO that tell how its matmuls run.
 HLO_MARKERS = {"triton_gemm": '"kind":"__triton_gemm"', "cublas": '"__cublas$gemm"', "cublaslt": '"__cublas$lt$matmul"',
                "dynamic_address": "dynamic_address_computation", "address": '"kind":"__custom_fusion"',
-               "dot_ops": " dot(", "slice_fusions": "slice_fusion"}
+               "dot_ops": " dot(", "slice_fusions": "slice_fusion",
+               "triton_any": "__triton", "dynamic_slices": " dynamic-slice("}
 
 
 def child(args) -> None:
@@ -71,10 +83,16 @@ def child(args) -> None:
     # Shapes only: nothing runs, so no weights need to exist.
     layout, options = VARIANTS[args.variant]
     params = jax.eval_shape(lambda: dummy_params(cfg, dtype, 0))
-    if layout == "stacked":
+    if layout.startswith("grouped"):
+        params = jax.eval_shape(lambda p: stack_layers(p, group_size=int(layout[len("grouped"):])), params)
+    elif layout != "per_layer":
         params = jax.eval_shape(stack_layers, params)
     ids = jax.ShapeDtypeStruct((args.tokens,), jnp.int32)
-    lowered = dense_logits.lower(params, cfg, ids)
+    forward_fn, extra = dense_logits, ()
+    if layout == "stacked_dynamic":
+        forward_fn = jax.jit(dynamic_index_logits, static_argnames=("cfg",))
+        extra = (jnp.arange(cfg.num_layers, dtype=jnp.int32),)
+    lowered = forward_fn.lower(params, *extra, cfg=cfg, token_ids=ids)
     print("COMPILE-START", flush=True, file=sys.stderr)
     t = time.perf_counter()
     compiled = lowered.compile(compiler_options=options or None)
@@ -86,14 +104,32 @@ def child(args) -> None:
         # Zero weights: a matmul's time does not depend on the values.
         weights = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
         x = jnp.zeros((args.tokens,), jnp.int32)
-        jax.block_until_ready(compiled(weights, x))
+        jax.block_until_ready(compiled(weights, *extra, token_ids=x))
         times = []
         for _ in range(args.iters):
             t = time.perf_counter()
-            jax.block_until_ready(compiled(weights, x))
+            jax.block_until_ready(compiled(weights, *extra, token_ids=x))
             times.append(time.perf_counter() - t)
         result["forward_ms"] = sorted(times)[len(times) // 2] * 1e3
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def dynamic_index_logits(params, layer_ids, cfg, token_ids):
+    """dense_logits over stacked weights whose layer i is read as `w[layer_ids[i]]`, a
+    dynamic index (layer_ids [L] int32 is a runtime argument, so XLA cannot fold it)."""
+    import dataclasses
+
+    from jax import lax
+
+    from jaxoverlap.models.params import MATRICES
+    from jaxoverlap.models.transformer import dense_logits
+
+    st = params.layers
+    layers = tuple(dataclasses.replace(st, **{name: lax.dynamic_index_in_dim(getattr(st, name), layer_ids[i],
+                                                                               keepdims=False)  # [L, in, out] -> [in, out]
+                                              for name in MATRICES})
+                   for i in range(cfg.num_layers))
+    return dense_logits.__wrapped__(dataclasses.replace(params, layers=layers), cfg, token_ids)
 
 
 def pass_times(stderr: str) -> collections.Counter:

@@ -34,8 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-cache-dir", default=None)
     g.add_argument("--single-decode-executable", dest="alternate_decode_executables", action="store_false",
                    help="run each decode program as one executable, not two copies in turn")
-    g.add_argument("--stack-layer-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="one device: each layer matrix kind as one array, for a shorter launch (default: on one GPU)")
+    g.add_argument("--layers-per-weight-stack", type=int, default=EngineConfig.layers_per_weight_stack,
+                   help="one device: store the weight matrices of this many consecutive layers as one array per "
+                        "kind (fewer arguments per step call)")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding (SGLang's flag names)")
     s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "draft_model", "ngram", "ngram_device"])

@@ -30,11 +30,11 @@ class EngineConfig:
     # Run each decode program as two loaded copies in turn, so that XLA need not update the
     # step's CUDA graph for its moved output on every call (runner._call_decode). One GPU only.
     alternate_decode_executables: bool = True
-    # Each layer matrix kind as one [L, ...] array (models/params.stack_layers), so each step
-    # call has 11 weight leaves instead of 151 (Qwen3-8B), which shortens the launch
-    # (benchmarks/RESULTS.md). None: on one GPU only (elsewhere the launch cost is not the
-    # host's bottleneck, and under tensor parallelism the weights stay per layer).
-    stack_layer_weights: bool | None = None
+    # One device: the weight matrices of this many consecutive layers as one [G, in, out]
+    # array per kind (models/params.stack_layers), so a step call has fewer argument leaves
+    # (Qwen3-8B: 151 per layer, 43 with G = 4) and the host's launch less per-buffer work.
+    # 1 keeps one array per layer; under tensor parallelism the weights stay per layer.
+    layers_per_weight_stack: int = 1
     max_queued_requests: int = 4096
     # Speculative decoding (names follow SGLang's flags). One step verifies a window of
     # speculative_num_draft_tokens = 1 + speculative_num_steps positions per request.
@@ -56,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.layers_per_weight_stack < 1:
+            raise ValueError(f"layers_per_weight_stack must be >= 1, got {self.layers_per_weight_stack}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.chunked_prefill_size < 1:

@@ -109,12 +109,11 @@ class Engine:
                 load_format=config.load_format, seed=config.seed, cache_dir=config.weights_cache_dir,
                 tensor_parallel_size=config.tensor_parallel_size,  # per-shard qkv / gate_up columns
             )
-        stack = config.stack_layer_weights
-        stack = config.tensor_parallel_size == 1 and (jax.default_backend() == "gpu" if stack is None else stack)
-        if stack:
+        group = config.layers_per_weight_stack if config.tensor_parallel_size == 1 else 1
+        if group > 1:
             # Fewer argument leaves per step call (models/params.py). Before the KV cache is
             # sized, so that a caller's own copy of the weights is counted.
-            params = stack_layers(params, delete_source=owns_params)
+            params = stack_layers(params, group_size=group, delete_source=owns_params)
         if tokenizer is None and os.path.exists(os.path.join(model_path, "tokenizer.json")):
             from jaxoverlap.models.tokenizer import Tokenizer
 
@@ -128,9 +127,10 @@ class Engine:
 
         self.drafter = build_drafter(config, self.model_config, self.dtype, draft_model_config=draft_model_config,
                                      draft_params=draft_params, eagle_config=eagle_config, eagle_params=eagle_params)
-        if stack and self.drafter is not None and isinstance(self.drafter.params, ModelParams):
+        if group > 1 and self.drafter is not None and isinstance(self.drafter.params, ModelParams):
             # A draft model's layers too: its leaves are arguments of every speculative step.
-            self.drafter.params = stack_layers(self.drafter.params, delete_source=draft_params is None)
+            self.drafter.params = stack_layers(self.drafter.params, group_size=group,
+                                               delete_source=draft_params is None)
         spec = self.drafter.spec if self.drafter is not None else None
 
         mc, ps = self.model_config, config.page_size

@@ -22,7 +22,7 @@ from jaxoverlap import steps
 from jaxoverlap.buckets import next_power_of_two, pick, powers_of_two_up_to
 from jaxoverlap.device_state import DeviceState
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.params import ModelParams, is_stacked
+from jaxoverlap.models.params import ModelParams, layers_per_stack
 from jaxoverlap.scheduler import ScheduledBatch
 
 
@@ -147,6 +147,9 @@ class ModelRunner:
         self._twins: dict[tuple, object] = {}  # program key -> second executable (None: cannot be copied)
         self._turn: dict[tuple, bool] = {}  # program key -> whether its next launch takes the twin
         self.twin_launches = 0  # decode launches that ran the second executable
+        # Start each step's copy to the host at launch (below). False leaves the copy to
+        # `fetch`, which then copies synchronously once the step is done (benchmarks compare).
+        self.start_host_copy = True
 
     # -- array building ---------------------------------------------------------------------
     def _reservations(self, batch: ScheduledBatch, capacity: int) -> steps.Reservations:
@@ -173,7 +176,8 @@ class ModelRunner:
             out = self._launch_decode(batch)
         # Start the copy now so that the host's later wait is for the step, not the copy. One
         # array holds all of the step's results for the host (steps.pack_for_host).
-        out.packed.copy_to_host_async()
+        if self.start_host_copy:
+            out.packed.copy_to_host_async()
         return LaunchedStep(batch, out)
 
     def _launch_decode(self, batch: ScheduledBatch):
@@ -207,7 +211,7 @@ class ModelRunner:
     # output where they left it two steps before (measured: benchmarks/RESULTS.md).
     def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool) -> tuple:
         # The weights' layout too: a benchmark may swap `params` for the other layout.
-        return (B, host_drafts, ctx_len, sampling, draft, self.attention, is_stacked(self.params))
+        return (B, host_drafts, ctx_len, sampling, draft, self.attention, layers_per_stack(self.params))
 
     def _call_decode(self, key: tuple, step, args, static):
         if not self.alternate_executables:

@@ -17,37 +17,9 @@ import numpy as np
 
 from jaxoverlap.device_state import DeviceState, Relay
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.params import STACKED_COMPILER_OPTIONS, ModelParams, is_stacked
+from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
 from jaxoverlap.sampling import sample
-
-
-class StepProgram:
-    """A jitted step program whose first argument is the model's weights, compiled with the
-    XLA options of their layout (models.params.STACKED_COMPILER_OPTIONS for stacked layers).
-
-    `jax.jit` takes compiler options per jitted function, so each program is two jits of one
-    function; the layout, a static property of the weights' pytree, picks one per call.
-    Calls and `lower` otherwise behave as jax.jit's; `__wrapped__` is the plain function."""
-
-    def __init__(self, fn, **jit_kwargs):
-        functools.update_wrapper(self, fn)
-        self._jits = {False: jax.jit(fn, **jit_kwargs),
-                      True: jax.jit(fn, compiler_options=STACKED_COMPILER_OPTIONS, **jit_kwargs)}
-
-    def jit_for(self, params):
-        return self._jits[is_stacked(params)]
-
-    def __call__(self, params, *args, **kwargs):
-        return self.jit_for(params)(params, *args, **kwargs)
-
-    def lower(self, params, *args, **kwargs):
-        return self.jit_for(params).lower(params, *args, **kwargs)
-
-
-def step_program(**jit_kwargs):
-    """Decorator: `StepProgram(fn, **jit_kwargs)`, with donation declared where the step is."""
-    return lambda fn: StepProgram(fn, **jit_kwargs)
 
 
 def pack_for_host(*columns: jax.Array) -> jax.Array:
@@ -161,7 +133,8 @@ def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay
     return dataclasses.replace(relay, **updates)
 
 
-@step_program(
+@functools.partial(
+    jax.jit,
     static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )
@@ -217,7 +190,8 @@ class PrefillInputs:
     seed: jax.Array  # [R] uint32
 
 
-@step_program(
+@functools.partial(
+    jax.jit,
     static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )

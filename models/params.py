@@ -5,10 +5,10 @@ an unrolled Python loop (no `lax.scan`, which materializes per-layer slices: 2.9
 bandwidth floor). The small per-layer vectors (norm weights, biases) are stacked `[L, ...]`
 so the step has few pytree leaves (dispatch cost grows with the leaf count). The four big
 matrices of each layer come from the loader as one LayerParams per layer. With
-`stack_layer_weights` (one device) the engine stacks them too (`stack_layers`: `layers` is
-then one LayerParams of `[L, in, out]` arrays, read through static slices `w[i]`); it is
-on by default on one GPU; its programs compile with `STACKED_COMPILER_OPTIONS`.
-`layer_at` reads either form. Matrices are stored `x @ W` style: `[in, out]`.
+`layers_per_weight_stack` G > 1 (one device; engine config) the engine stacks them too
+(`stack_layers`): `layers` is then a tuple of LayerParams of `[G, in, out]` arrays, read
+through static slices `w[i % G]`. `layer_at` reads every form. Matrices are stored
+`x @ W` style: `[in, out]`.
 
 Fused column blocks under tensor parallelism. `wqkv` (and `bqkv`) fuse q, k and v on the
 output axis, `w_gate_up` fuses gate and up. Sharding such an axis over N devices in the
@@ -64,63 +64,82 @@ class ModelParams:
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
-# XLA options for the programs that read stacked weights. XLA autotunes each distinct
-# matmul fusion, and the static slice `w[i]` fused into a Triton GEMM makes each layer's
-# matmul a fusion of its own (the slice offset differs): 36 x 4 autotunings instead of 4,
-# 57 s against 14 s for the Qwen3-8B forward on the H200. With Triton GEMMs off, XLA runs
-# the matmuls on cuBLAS reading the slice in place: 11 s, and the forward as fast
-# (benchmarks/stack_compile_probe.py; RESULTS.md). XLA:CPU ignores the option.
-STACKED_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-
-
-def is_stacked(params) -> bool:
-    """Whether `params` (ModelParams or a drafter's weights) holds stacked layer matrices."""
-    return isinstance(getattr(params, "layers", None), LayerParams)
+def layers_per_stack(params) -> int:
+    """How many layers share one weight array: 1 per layer (and for weights without
+    `layers`, such as EAGLE's), G for groups, L for one stack. A static property of the
+    pytree: programs compiled for one layout do not take the other."""
+    layers = getattr(params, "layers", None)
+    if isinstance(layers, LayerParams):
+        return layers.wqkv.shape[0]
+    if isinstance(layers, tuple) and layers and layers[0].wqkv.ndim == 3:
+        return layers[0].wqkv.shape[0]
+    return 1
 
 
 def num_layers(params: ModelParams) -> int:
     layers = params.layers
-    return layers.wqkv.shape[0] if isinstance(layers, LayerParams) else len(layers)
+    if isinstance(layers, LayerParams):
+        return layers.wqkv.shape[0]
+    return sum(l.wqkv.shape[0] if l.wqkv.ndim == 3 else 1 for l in layers)
 
 
 def layer_at(params: ModelParams, i: int) -> LayerParams:
-    """Layer i's weights, from either form of `params.layers`. A static slice of a stacked
+    """Layer i's weights, from any form of `params.layers`. A static slice of a stacked
     matrix, which XLA's matmul reads in place: the unrolled chain over stacked weights runs
     at the bandwidth floor (benchmarks/scan_probe.py), unlike a loop over them."""
     layers = params.layers
     if isinstance(layers, LayerParams):
         # [L, in, out] -> [in, out]
         return dataclasses.replace(layers, **{name: getattr(layers, name)[i] for name in MATRICES})
+    if layers[0].wqkv.ndim == 3:  # groups of G consecutive layers (the last may hold fewer)
+        G = layers[0].wqkv.shape[0]
+        group = layers[i // G]
+        # [G, in, out] -> [in, out]
+        return dataclasses.replace(group, **{name: getattr(group, name)[i % G] for name in MATRICES})
     return layers[i]
 
 
-def stack_layers(params: ModelParams, *, delete_source: bool = False) -> ModelParams:
-    """The same weights with each of the four matrices of all layers in one `[L, in, out]`
-    array. Why: every array is an argument leaf of each jitted step, and JAX's per-call
-    argument handling grows with the leaf count (Qwen3-8B: 151 weight leaves, 11 stacked).
+def stack_layers(params: ModelParams, *, group_size: int | None = None, delete_source: bool = False) -> ModelParams:
+    """The same weights with each of the four matrices of `group_size` consecutive layers in
+    one `[G, in, out]` array: `layers` becomes a tuple of such groups (the last may hold
+    fewer layers), or, with `group_size=None`, one LayerParams of `[L, in, out]` arrays. Why:
+    every array is an argument leaf of each jitted step, and the host's cost per call grows
+    with the leaf count (Qwen3-8B: 151 weight leaves; 43 in groups of 4; 11 in one stack).
+
+    Why groups and not one stack: XLA autotunes each distinct matmul fusion once, and the
+    static slice `w[i % G]` fused into a Triton GEMM is part of the fusion, so the layers'
+    matmuls are 4 G distinct fusions (4 per layer). One stack of 36 layers compiled the
+    Qwen3-8B forward in 31.6 s against 4.6 s per layer, groups of 4 in 6.6 s, with the
+    same forward time (H200, benchmarks/stack_compile_probe.py; RESULTS.md).
 
     With `delete_source` (weights the engine loaded itself), each kind's per-layer arrays
     are deleted as soon as its stack exists, so the memory peak is the weights plus one kind,
     not twice the weights. Under tensor parallelism the engine keeps per-layer arrays."""
-    if isinstance(params.layers, LayerParams):
-        return params
-    first = params.layers[0]
-    if any((l.qkv_shards, l.gate_up_shards) != (first.qkv_shards, first.gate_up_shards) for l in params.layers):
+    if not isinstance(params.layers, tuple) or params.layers[0].wqkv.ndim == 3:
+        return params  # already stacked
+    layers = params.layers
+    first = layers[0]
+    if any((l.qkv_shards, l.gate_up_shards) != (first.qkv_shards, first.gate_up_shards) for l in layers):
         raise ValueError("layers with different fused-column layouts cannot be stacked")
-    stacked = {}
+    G = len(layers) if group_size is None else group_size
+    if G < 1:
+        raise ValueError(f"group_size must be at least 1, not {G}")
+    groups = [dict() for _ in range(0, len(layers), G)]
     for name in MATRICES:
-        parts = [getattr(l, name) for l in params.layers]
-        stacked[name] = jnp.stack(parts)  # L x [in, out] -> [L, in, out]
-        if delete_source:
-            jax.block_until_ready(stacked[name])  # the stack has read them
-            for x in parts:
-                x.delete()
-    return dataclasses.replace(params, layers=dataclasses.replace(first, **stacked))
+        for g, start in enumerate(range(0, len(layers), G)):
+            parts = [getattr(l, name) for l in layers[start:start + G]]
+            groups[g][name] = jnp.stack(parts)  # G x [in, out] -> [G, in, out]
+            if delete_source:
+                jax.block_until_ready(groups[g][name])  # the stack has read them
+                for x in parts:
+                    x.delete()
+    stacked = tuple(dataclasses.replace(first, **arrays) for arrays in groups)
+    return dataclasses.replace(params, layers=stacked[0] if group_size is None else stacked)
 
 
 def unstack_layers(params: ModelParams) -> ModelParams:
     """The inverse of `stack_layers`: one LayerParams per layer (copies of the slices)."""
-    if not isinstance(params.layers, LayerParams):
+    if isinstance(params.layers, tuple) and params.layers[0].wqkv.ndim == 2:
         return params
     return dataclasses.replace(params, layers=tuple(layer_at(params, i) for i in range(num_layers(params))))
 

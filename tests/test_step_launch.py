@@ -1,7 +1,7 @@
 """What a step call takes and hands back, and how a decode step is launched:
 
-- the layer matrices stacked [L, ...] on one device (models/params.stack_layers): the same
-  model with fewer argument leaves;
+- the layer matrices stacked [G, ...] in groups of G layers, or [L, ...] in one stack, on one
+  device (models/params.stack_layers): the same model with fewer argument leaves;
 - one packed int32 array per step (steps.pack_for_host), unpacked on the host without loss;
 - two loaded executables of each decode program used in turn (runner._call_decode), which
   must give exactly the outputs of the one executable.
@@ -17,51 +17,73 @@ import pytest
 
 from engine_fixtures import assert_drained, make_engine, run_workload, tiny_config, tiny_params
 from jaxoverlap.models.loader import dummy_params
-from jaxoverlap.models.params import LayerParams, layer_at, num_layers, stack_layers
+from jaxoverlap.models.params import (LayerParams, layer_at, layers_per_stack, num_layers, stack_layers,
+                                      unstack_layers)
 from jaxoverlap.models.transformer import dense_logits
 from jaxoverlap.speculative.step import SpecStepOutput
 from jaxoverlap.steps import StepOutput
 from test_engine_overlap import random_workload
 
-def test_stacked_layers_are_the_same_model():
+@pytest.mark.parametrize("group_size", [None, 2, 3, 5])
+def test_stacked_layers_are_the_same_model(group_size):
     cfg = tiny_config(num_layers=3)
     params = tiny_params(cfg)
-    stacked = stack_layers(params)
-    assert isinstance(stacked.layers, LayerParams) and stacked.layers.wqkv.shape == (3, *params.layers[0].wqkv.shape)
+    stacked = stack_layers(params, group_size=group_size)
+    per_layer = params.layers[0].wqkv.shape
+    if group_size is None:  # one stack
+        assert isinstance(stacked.layers, LayerParams) and stacked.layers.wqkv.shape == (3, *per_layer)
+        groups = 1
+    else:  # groups of group_size layers, the last one shorter where 3 does not divide
+        sizes = [g.wqkv.shape[0] for g in stacked.layers]
+        assert sizes == [min(group_size, 3 - s) for s in range(0, 3, group_size)]
+        assert all(g.wqkv.shape[1:] == per_layer for g in stacked.layers)
+        groups = len(sizes)
+    assert layers_per_stack(stacked) == (3 if group_size is None else min(group_size, 3)) and layers_per_stack(params) == 1
     assert num_layers(stacked) == num_layers(params) == 3
     for i in range(3):
         for a, b in zip(jax.tree.leaves(layer_at(stacked, i)), jax.tree.leaves(params.layers[i])):
             np.testing.assert_array_equal(a, b)
-    assert len(jax.tree.leaves(stacked)) == len(jax.tree.leaves(params)) - 4 * (3 - 1)
+    assert len(jax.tree.leaves(stacked)) == len(jax.tree.leaves(params)) - 4 * (3 - groups)
     ids = jnp.arange(1, 12, dtype=jnp.int32)
     np.testing.assert_array_equal(dense_logits(stacked, cfg, ids), dense_logits(params, cfg, ids))
-    assert stack_layers(stacked) is stacked
+    assert stack_layers(stacked, group_size=group_size) is stacked
+    back = unstack_layers(stacked)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
 
 
-def test_stacking_can_delete_the_per_layer_arrays():
+def test_stacking_rejects_an_empty_group():
+    with pytest.raises(ValueError, match="group_size"):
+        stack_layers(tiny_params(tiny_config()), group_size=0)
+    with pytest.raises(ValueError, match="layers_per_weight_stack"):
+        make_engine(layers_per_weight_stack=0)
+
+
+@pytest.mark.parametrize("group_size", [None, 1])
+def test_stacking_can_delete_the_per_layer_arrays(group_size):
     cfg = tiny_config()
     own = dummy_params(cfg, jnp.float32, 0)
     kept = own.layers[1].w_down
     want = np.asarray(kept)
-    stacked = stack_layers(own, delete_source=True)
+    stacked = stack_layers(own, group_size=group_size, delete_source=True)
     assert kept.is_deleted() and all(l.wqkv.is_deleted() for l in own.layers)
-    np.testing.assert_array_equal(stacked.layers.w_down[1], want)
+    np.testing.assert_array_equal(layer_at(stacked, 1).w_down, want)
 
 
 def test_the_engine_stacks_when_asked_and_leaves_the_callers_weights():
-    assert isinstance(make_engine().runner.params.layers, tuple)  # off by default (slow compiles)
-    eng = make_engine(stack_layer_weights=True)
+    assert layers_per_stack(make_engine().runner.params) == 1  # per layer by default
+    eng = make_engine(layers_per_weight_stack=2)
     params = tiny_params(tiny_config())  # the weights make_engine passed in
-    assert isinstance(eng.runner.params.layers, LayerParams)
+    assert layers_per_stack(eng.runner.params) == 2 and isinstance(eng.runner.params.layers, tuple)
     assert not any(l.wqkv.is_deleted() for l in params.layers)  # passed in: the caller's to keep
 
 
 def test_stacked_engine_gives_the_tokens_of_the_per_layer_one():
     from test_engine_overlap import random_workload
 
-    results = [{k: v.token_ids for k, v in run_workload(make_engine(stack_layer_weights=stack),
+    results = [{k: v.token_ids for k, v in run_workload(make_engine(layers_per_weight_stack=group),
                                                         random_workload(5)).items()}
-               for stack in (True, False)]
+               for group in (2, 1)]
     assert results[0] == results[1]
 
 

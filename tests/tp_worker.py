@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from engine_fixtures import make_engine, run_workload, tiny_config  # noqa: E402
 from jaxoverlap import parallel  # noqa: E402
-from jaxoverlap.models.params import layer_at, relayout, stack_layers  # noqa: E402
+from jaxoverlap.models.params import layer_at, layers_per_stack, relayout, stack_layers  # noqa: E402
 from jaxoverlap.models.transformer import dense_logits, forward  # noqa: E402
 from jaxoverlap.sampling_params import SamplingParams  # noqa: E402
 
@@ -98,7 +98,7 @@ def main():
         t0 = time.perf_counter()
         # Stacked layer weights where the engine can (TP=1): TP=2 and 4 keep per-layer
         # arrays, so the token comparison also checks the two layouts against each other.
-        opts = dict(tensor_parallel_size=tp, stack_layer_weights=True, **options)
+        opts = dict(tensor_parallel_size=tp, layers_per_weight_stack=2, **options)
         if algo:
             opts["speculative_algorithm"] = algo
         eng = make_engine(cfg, **opts)
@@ -113,7 +113,7 @@ def main():
             "kv_devices": len(sharding.device_set),
             "wqkv_spec": str(getattr(layer_at(eng.runner.params, 0).wqkv.sharding, "spec", "")),
             "qkv_shards": layer_at(eng.runner.params, 0).qkv_shards,
-            "stacked": not isinstance(eng.runner.params.layers, tuple),
+            "stacked": layers_per_stack(eng.runner.params) > 1,
             "retractions": eng.stats()["num_retractions"],
             # parallel.shard_attention's wrapper, or the XLA path's function.
             "attention": getattr(eng.runner.attention, "__name__", ""),

@@ -18,6 +18,7 @@ predicate XLA would read back to the host on GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from jaxoverlap.sampling import sample
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
 from jaxoverlap.speculative.verify import SamplingRows, accept
-from jaxoverlap.steps import Reservations, StepOutput, apply_reservations, float_bits, pack_for_host, step_program
+from jaxoverlap.steps import Reservations, StepOutput, apply_reservations, float_bits, pack_for_host
 
 
 @jax.tree_util.register_dataclass
@@ -106,7 +107,8 @@ def _set(relay: Relay, entries, **fields) -> Relay:
     return dataclasses.replace(relay, **{k: getattr(relay, k).at[entries].set(v) for k, v in fields.items()})
 
 
-@step_program(
+@functools.partial(
+    jax.jit,
     static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )
@@ -200,7 +202,8 @@ def spec_decode_step(
     return state, SpecStepOutput.of(out_tokens, logprobs, accept_len, drafts)
 
 
-@step_program(
+@functools.partial(
+    jax.jit,
     static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )
