@@ -63,19 +63,20 @@ def main():
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-context-len", type=int, default=4096)
-    ap.add_argument("--layers-per-weight-stack", type=int, default=1)
+    ap.add_argument("--layers-per-weight-stack", type=int, default=None, help="default: the engine's")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--timeout-s", type=int, default=300, help="per phase")
     ap.add_argument("--out", default="compile.json")
     ap.add_argument("--phase", choices=("cold", "restart", "serial"))
     ap.add_argument("--cache-dir")
+    ap.add_argument("--phases", nargs="+", default=["cold", "restart", "serial"], choices=("cold", "restart", "serial"))
     args = ap.parse_args()
     if args.phase:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
     cache = tempfile.mkdtemp(prefix="jaxoverlap-compile-cache-")
     rows, errors = [], {}
-    for phase in ("cold", "restart", "serial"):
+    for phase in args.phases:
         # "serial" gets its own empty cache: it measures one real compilation.
         d = cache if phase != "serial" else tempfile.mkdtemp(prefix="jaxoverlap-compile-cache-")
         cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--cache-dir", d] + sys.argv[1:]

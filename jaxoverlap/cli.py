@@ -34,9 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-cache-dir", default=None)
     g.add_argument("--single-decode-executable", dest="alternate_decode_executables", action="store_false",
                    help="run each decode program as one executable, not two copies in turn")
-    g.add_argument("--layers-per-weight-stack", type=int, default=EngineConfig.layers_per_weight_stack,
+    g.add_argument("--layers-per-weight-stack", type=int, default=None,
                    help="one device: store the weight matrices of this many consecutive layers as one array per "
-                        "kind (fewer arguments per step call)")
+                        "kind, for fewer arguments per step call (default: 4 on a GPU, 1 elsewhere)")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding (SGLang's flag names)")
     s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "draft_model", "ngram", "ngram_device"])

@@ -34,7 +34,9 @@ class EngineConfig:
     # array per kind (models/params.stack_layers), so a step call has fewer argument leaves
     # (Qwen3-8B: 151 per layer, 43 with G = 4) and the host's launch less per-buffer work.
     # 1 keeps one array per layer; under tensor parallelism the weights stay per layer.
-    layers_per_weight_stack: int = 1
+    # None: 4 on one GPU (engine.GPU_LAYERS_PER_WEIGHT_STACK), 1 elsewhere (XLA:CPU copies
+    # the slices out, and there the launch is not what limits the host).
+    layers_per_weight_stack: int | None = None
     max_queued_requests: int = 4096
     # Speculative decoding (names follow SGLang's flags). One step verifies a window of
     # speculative_num_draft_tokens = 1 + speculative_num_steps positions per request.
@@ -56,7 +58,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.layers_per_weight_stack < 1:
+        if self.layers_per_weight_stack is not None and self.layers_per_weight_stack < 1:
             raise ValueError(f"layers_per_weight_stack must be >= 1, got {self.layers_per_weight_stack}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

@@ -42,6 +42,13 @@ from jaxoverlap.sampling_params import SamplingParams
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig
 
 
+# Layers per weight stack on one GPU (EngineConfig.layers_per_weight_stack). H200, Qwen3-8B,
+# same process (benchmarks/RESULTS.md, 2026-12-04 second session): groups of 4 cut the
+# decode launch by 0.12-0.23 ms at batch 1-64 with the same device step, and the cold
+# compile of the seven batch buckets stays under the 60 s target (53 s).
+GPU_LAYERS_PER_WEIGHT_STACK = 4
+
+
 @dataclasses.dataclass
 class StepTiming:
     """Host time of one loop iteration, split as in the article's Figure 3."""
@@ -109,7 +116,11 @@ class Engine:
                 load_format=config.load_format, seed=config.seed, cache_dir=config.weights_cache_dir,
                 tensor_parallel_size=config.tensor_parallel_size,  # per-shard qkv / gate_up columns
             )
-        group = config.layers_per_weight_stack if config.tensor_parallel_size == 1 else 1
+        group = config.layers_per_weight_stack
+        if group is None:
+            group = GPU_LAYERS_PER_WEIGHT_STACK if jax.default_backend() == "gpu" else 1
+        if config.tensor_parallel_size > 1:
+            group = 1
         if group > 1:
             # Fewer argument leaves per step call (models/params.py). Before the KV cache is
             # sized, so that a caller's own copy of the weights is counted.
