@@ -1,10 +1,12 @@
-"""Where the host's decode launch goes, span by span, with the device tracer off (GPU diagnostics, issue 4).
+"""Where the host's decode launch goes, span by span and by sampling (GPU diagnostics, issue 4).
 
 The profiler's device tracer (CUPTI) stretches the CUDA calls it watches, above all the
 `cuGraphLaunch` of a step's ~400-node graph, so traces taken with it cannot time the
 launch. This runs the engine's overlap loop on Qwen3-8B shapes (dummy weights) and traces
-the host only (the TraceMe events of JAX, PjRt and XLA's runtime; `device_tracer_level=0`).
-For the steady decode launches of each batch size it reports, per launch:
+it asking for the host only (`device_tracer_level=0`; the CUDA plugin of JAX 0.11.2 still
+traced the device, so on the GPU the CUDA calls stay stretched: compare the traced launch
+with the untraced one). For the steady decode launches of each batch size it reports, per
+launch:
 
 - every host span inside the engine's `jaxoverlap.launch` span on the Python thread, by
   nesting depth and name: the median time per launch and how many there were;
@@ -13,9 +15,10 @@ For the steady decode launches of each batch size it reports, per launch:
 
 With --sample-s S it also samples the untraced loop with py-spy (`--native`, attached to this
 process for S seconds of steady decoding): of the samples whose stack holds the engine's
-launch, the share that holds each frame (inclusive), turned into microseconds of the
-untraced launch. Nothing is instrumented, so no call is stretched; but native frames that
-py-spy cannot unwind are lost (its error count is reported).
+launch (prefill launches included), the share that holds each frame (inclusive), turned into
+microseconds of the untraced launch. Nothing is instrumented; but py-spy pauses the process for each
+native sample, which stretches the sampled launches, so the shares are the result, not the
+times (its error count is reported).
 
 With --graph-nodes N... it first times, in a child process, a CUDA graph of N tiny kernels
 recorded with PyTorch and replayed as the engine launches (replay k+1, then wait for k):
@@ -253,7 +256,7 @@ def main():
             if not os.path.exists(raw):
                 raise RuntimeError(f"py-spy wrote nothing: {spy_log[-800:]}")
             row["launch_ms_sampled"] = median([t.launch_s for t in sampled]) * 1e3
-            row["py_spy"] = sampled_frames(raw, row["launch_ms_sampled"])
+            row["py_spy"] = sampled_frames(raw, row["launch_ms_untraced"])
             row["py_spy"]["log"] = spy_log[-400:]
             print(f"\nbatch {B}: py-spy {row['py_spy']['launch_samples']} launch samples of "
                   f"{row['py_spy']['samples']}; launch {row['launch_ms_untraced']:.3f} ms untraced, "

@@ -42,10 +42,10 @@ from jaxoverlap.sampling_params import SamplingParams
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig
 
 
-# Layers per weight stack on one GPU (EngineConfig.layers_per_weight_stack). H200, Qwen3-8B,
-# same process (benchmarks/RESULTS.md, 2026-12-04 second session): groups of 4 cut the
-# decode launch by 0.12-0.23 ms at batch 1-64 with the same device step, and the cold
-# compile of the seven batch buckets stays under the 60 s target (53 s).
+# Layers per weight stack on one GPU (EngineConfig.layers_per_weight_stack). H200, Qwen3-8B
+# (benchmarks/RESULTS.md, 2026-12-04, second session): groups of 4 cut the decode launch by
+# 0.12-0.23 ms at batch 1-64 with the same device step (one process), and the cold compile
+# of the seven batch buckets goes from 21 to 43 s (one call), under the 60 s target.
 GPU_LAYERS_PER_WEIGHT_STACK = 4
 
 
