@@ -69,12 +69,13 @@ def shard_params(params: ModelParams, mesh: Mesh, cfg: ModelConfig | None = None
     the mesh's (e.g. weights loaded for one device) are converted first."""
     if cfg is not None:
         params = relayout(params, cfg, mesh.size)
-    def put_layer(l: LayerParams, lead: int) -> LayerParams:  # lead: 1 for stacked [L, in, out] arrays
+    def put_layer(l: LayerParams) -> LayerParams:
+        lead = l.wqkv.ndim - 2  # 1 for stacked [L or G, in, out] arrays
         return dataclasses.replace(l, wqkv=_put(l.wqkv, mesh, lead + 1), wo=_put(l.wo, mesh, lead),
                                    w_gate_up=_put(l.w_gate_up, mesh, lead + 1), w_down=_put(l.w_down, mesh, lead))
 
     stacked = isinstance(params.layers, LayerParams)
-    layers = put_layer(params.layers, 1) if stacked else tuple(put_layer(l, 0) for l in params.layers)
+    layers = put_layer(params.layers) if stacked else tuple(put_layer(l) for l in params.layers)
     return dataclasses.replace(
         params, layers=layers, lm_head=_put(params.lm_head, mesh, 1), bqkv=_put(params.bqkv, mesh, 1),
         embed=_put(params.embed, mesh, None), final_norm=_put(params.final_norm, mesh, None),

@@ -210,8 +210,9 @@ class ModelRunner:
     # its graph on every call. Two copies of the executable used in turn each find their
     # output where they left it two steps before (measured: benchmarks/RESULTS.md).
     def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool) -> tuple:
-        # The weights' layout too: a benchmark may swap `params` for the other layout.
-        return (B, host_drafts, ctx_len, sampling, draft, self.attention, layers_per_stack(self.params))
+        # The weights' layout too: a benchmark may swap `params` for another layout.
+        layout = (layers_per_stack(self.params), type(self.params.layers))
+        return (B, host_drafts, ctx_len, sampling, draft, self.attention, layout)
 
     def _call_decode(self, key: tuple, step, args, static):
         if not self.alternate_executables:

@@ -61,8 +61,9 @@ def test_tp_greedy_matches_single_device():
         assert hlo["per_shard"] == {"all-reduce": 2 * hlo["num_layers"]}, (backend, hlo)
         # The plain [q | k | v] order on the same mesh does move data: the check can fail.
         assert any(hlo["plain"].get(op) for op in DATA_MOVING), (backend, hlo)
-        stacked = out[f"stacked-{backend}"]
-        assert stacked["max_logit_diff"] < 1e-4 and stacked["wqkv_spec"] == [None, None, "tp"], stacked
+        for form in ("stacked", "grouped"):  # one stack of all layers, groups of 2
+            stacked = out[f"{form}-{backend}"]
+            assert stacked["max_logit_diff"] < 1e-4 and stacked["wqkv_spec"] == [None, None, "tp"], stacked
 
 
 def test_per_shard_layout_is_the_same_model():

@@ -128,11 +128,13 @@ def main():
                                      "plain": forward_collectives(eng, plain), "num_layers": cfg.num_layers}
             # Stacked layers shard too (the stacked axis stays whole): same logits.
             ids = jnp.arange(1, 12, dtype=jnp.int32)
-            stacked = parallel.shard_params(stack_layers(eng.runner.params), eng.mesh)
-            out[f"stacked-{backend}"] = {
-                "max_logit_diff": float(jnp.max(jnp.abs(dense_logits(stacked, cfg, ids)
-                                                        - dense_logits(eng.runner.params, cfg, ids)))),
-                "wqkv_spec": list(stacked.layers.wqkv.sharding.spec)}
+            want = dense_logits(eng.runner.params, cfg, ids)
+            for form, group in (("stacked", None), ("grouped", 2)):
+                stacked = parallel.shard_params(stack_layers(eng.runner.params, group_size=group), eng.mesh)
+                first = stacked.layers if group is None else stacked.layers[0]
+                out[f"{form}-{backend}"] = {
+                    "max_logit_diff": float(jnp.max(jnp.abs(dense_logits(stacked, cfg, ids) - want))),
+                    "wqkv_spec": list(first.wqkv.sharding.spec)}
         seconds[name] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     out["fallback_attention_error"] = fallback_attention_error()
