@@ -103,9 +103,10 @@ def main():
                              "group4", "group12", "no_host_copy"],
                     help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
                          "or off (unfused), only the attention one (fused_attention), the default kernels with "
-                         "one executable per decode program instead of two in turn (single_exec), or the weights "
-                         "in one stack, per layer or in groups of 4 or 12 layers (a second copy of them), or without starting each "
-                         "step's copy to the host at launch (no_host_copy: fetch copies once the step is done)")
+                         "one executable per decode program instead of two in turn (single_exec), the weights in "
+                         "one stack, per layer or in groups of 4 or 12 layers (a second copy of them), or without "
+                         "starting each step's copy to the host at launch (no_host_copy: fetch copies once the step "
+                         "is done)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()

@@ -134,7 +134,8 @@ def sampled_frames(raw_path: str, launch_ms: float, top: int = 60) -> dict:
 
 def sample_with_py_spy(seconds: float, out_path: str, rate: int) -> subprocess.Popen:
     """py-spy attached to this process (root, or a ptrace-permitting system)."""
-    return subprocess.Popen(["py-spy", "record", "--native", "--pid", str(os.getpid()), "--duration", str(max(1, round(seconds))),
+    return subprocess.Popen(["py-spy", "record", "--native", "--pid", str(os.getpid()),
+                             "--duration", str(max(1, round(seconds))),
                              "--rate", str(rate), "--format", "raw", "--output", out_path],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -125,10 +125,12 @@ def dynamic_index_logits(params, layer_ids, cfg, token_ids):
     from jaxoverlap.models.transformer import dense_logits
 
     st = params.layers
-    layers = tuple(dataclasses.replace(st, **{name: lax.dynamic_index_in_dim(getattr(st, name), layer_ids[i],
-                                                                               keepdims=False)  # [L, in, out] -> [in, out]
-                                              for name in MATRICES})
-                   for i in range(cfg.num_layers))
+
+    def layer(i):  # [L, in, out] -> [in, out]
+        return dataclasses.replace(st, **{n: lax.dynamic_index_in_dim(getattr(st, n), layer_ids[i], keepdims=False)
+                                          for n in MATRICES})
+
+    layers = tuple(layer(i) for i in range(cfg.num_layers))
     return dense_logits.__wrapped__(dataclasses.replace(params, layers=layers), cfg, token_ids)
 
 

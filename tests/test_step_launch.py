@@ -38,7 +38,8 @@ def test_stacked_layers_are_the_same_model(group_size):
         assert sizes == [min(group_size, 3 - s) for s in range(0, 3, group_size)]
         assert all(g.wqkv.shape[1:] == per_layer for g in stacked.layers)
         groups = len(sizes)
-    assert layers_per_stack(stacked) == (3 if group_size is None else min(group_size, 3)) and layers_per_stack(params) == 1
+    assert layers_per_stack(stacked) == (3 if group_size is None else min(group_size, 3))
+    assert layers_per_stack(params) == 1
     assert num_layers(stacked) == num_layers(params) == 3
     for i in range(3):
         for a, b in zip(jax.tree.leaves(layer_at(stacked, i)), jax.tree.leaves(params.layers[i])):
