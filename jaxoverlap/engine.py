@@ -403,31 +403,29 @@ class Engine:
         return None
 
     def _make_outputs(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
-        outputs, seen = [], set()
-        for req in updated + finished:
-            if req.request_id in seen:
-                continue
-            seen.add(req.request_id)
-            if req.finished and req.detok is not None and req.finish_reason != "stop":
+        if finished:  # a request that finished in this step is in both lists
+            seen = set()
+            reqs = [r for r in updated + finished if not (r.request_id in seen or seen.add(r.request_id))]
+        else:
+            reqs = updated
+        outputs = []
+        for req in reqs:
+            params, n_ids, finished = req.params, len(req.output_ids), req.finished
+            if finished and req.detok is not None and req.finish_reason != "stop":
                 req.text += req.detok.flush()
-            new_ids = req.output_ids[req.num_emitted :]
-            new_lp = req.output_logprobs[req.num_emitted :] if req.params.logprobs else None
+            new_ids = req.output_ids[req.num_emitted:]
+            new_lp = req.output_logprobs[req.num_emitted:] if params.logprobs else None
             # Hold back text that may still turn out to begin a stop string.
             text_end = len(req.text)
-            if not req.finished and req.params.stop:
-                text_end = max(req.num_text_emitted, len(req.text) - max(len(s) for s in req.params.stop) + 1)
-            new_text = req.text[req.num_text_emitted : text_end]
-            req.num_emitted = len(req.output_ids)
+            if params.stop and not finished:
+                text_end = max(req.num_text_emitted, text_end - max(len(s) for s in params.stop) + 1)
+            new_text = req.text[req.num_text_emitted:text_end]
+            req.num_emitted = n_ids
             req.num_text_emitted = text_end
             self.tokens_generated += len(new_ids)
-            outputs.append(
-                RequestOutput(
-                    request_id=req.request_id, new_token_ids=new_ids, new_text=new_text,
-                    finished=req.finished, finish_reason=req.finish_reason, metrics=req.metrics,
-                    new_logprobs=new_lp, _output_ids=req.output_ids, _num_tokens=len(req.output_ids),
-                )
-            )
-            if req.finished:
+            outputs.append(RequestOutput(req.request_id, new_ids, new_text, finished, req.finish_reason,
+                                         req.metrics, new_lp, req.output_ids, n_ids))
+            if finished:
                 self.requests.pop(req.request_id, None)
         return outputs
 

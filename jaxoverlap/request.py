@@ -29,6 +29,9 @@ class Request:
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     abort_requested: bool = False
+    # The token ids that end this request: its stop_token_ids, and EOS unless ignore_eos
+    # (set by Scheduler.add, which knows the model's EOS ids).
+    stop_ids: frozenset[int] = frozenset()
 
     # Resources, held from admission until the request finishes or is retracted.
     entry: int = 0  # relay entry / req_to_token row

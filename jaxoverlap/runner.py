@@ -150,6 +150,7 @@ class ModelRunner:
         # Start each step's copy to the host at launch (below). False leaves the copy to
         # `fetch`, which then copies synchronously once the step is done (benchmarks compare).
         self.start_host_copy = True
+        self._rows_cache = None  # (rows list, bucket, device entries, sampling): _decode_rows
 
     # -- array building ---------------------------------------------------------------------
     def _reservations(self, batch: ScheduledBatch, capacity: int) -> steps.Reservations:
@@ -180,11 +181,24 @@ class ModelRunner:
             out.packed.copy_to_host_async()
         return LaunchedStep(batch, out)
 
+    def _decode_rows(self, batch: ScheduledBatch, B: int):
+        """(device entries [B], whether any row samples) of a decode batch. The scheduler
+        hands out the same rows list while its running set is unchanged, and a row's entry
+        and sampling params do not change while it runs, so both are built once per set."""
+        cached = self._rows_cache
+        if cached is not None and cached[0] is batch.rows and cached[1] == B:
+            return cached[2], cached[3]
+        entries = np.zeros((B,), np.int32)  # padded rows on entry 0
+        entries[: batch.size] = [row.req.entry for row in batch.rows]
+        entries, sampling = self.inputs.put("entries", entries), batch_samples(batch)
+        # The list is held here, so its id cannot be reused by another list meanwhile.
+        self._rows_cache = (batch.rows, B, entries, sampling)
+        return entries, sampling
+
     def _launch_decode(self, batch: ScheduledBatch):
         """A plain or speculative decode step (the drafter decides which)."""
         B = pick(self.batch_buckets, batch.size)
-        entries = np.zeros((B,), np.int32)  # padded rows on entry 0
-        entries[: batch.size] = [row.req.entry for row in batch.rows]
+        entries, sampling = self._decode_rows(batch, B)
         res = self._reservations(batch, self._decode_res_capacity(B))
         host_drafts = None
         if self.needs_host_results(batch):
@@ -194,9 +208,8 @@ class ModelRunner:
             tokens, counts = self.drafter.host.drafts([row.req for row in batch.rows], B)
             self.last_draft_s = time.perf_counter() - t
             host_drafts = HostDrafts(tokens, counts)
-        entries = self.inputs.put("entries", entries)
         res = steps.Reservations(self.inputs.put("reservations", res.table))
-        ctx_len, sampling = self._ctx_len(batch), batch_samples(batch)
+        ctx_len = self._ctx_len(batch)
         step, args, static = self._decode_program(entries, res, host_drafts, ctx_len, sampling, batch.draft)
         key = self._program_key(B, host_drafts is not None, ctx_len, sampling, batch.draft)
         self.state, out = self._call_decode(key, step, args, static)

@@ -95,7 +95,12 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None  # the one request whose prompt is mid-chunk
+        # Changed only through _start_running / _stop_running, which drop the cached rows.
         self.running: list[Request] = []
+        # The decode rows while `running` is unchanged: the same list object every step, so
+        # the runner can keep what it built from them (runner._decode_rows).
+        self._decode_rows: list[BatchRow] | None = None
+        self._aborts: list[Request] = []  # admitted requests with an abort to apply
         self.finished_since_last_poll: list[Request] = []
         self.num_retractions = 0
         # Speculative decoding: tokens the device accepted (bonus included) over processed rows.
@@ -109,6 +114,9 @@ class Scheduler:
         return self._reserved_target(prompt_len) <= self.pages.capacity
 
     def add(self, req: Request) -> None:
+        # The token ids that end this request, looked up once per generated token.
+        req.stop_ids = frozenset(req.params.stop_token_ids) | (
+            frozenset() if req.params.ignore_eos else self.eos_token_ids)
         self.waiting.append(req)
 
     def abort(self, req: Request) -> None:
@@ -119,6 +127,7 @@ class Scheduler:
             self._finish(req, "abort")
         elif not req.finished:
             req.abort_requested = True
+            self._aborts.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -137,10 +146,18 @@ class Scheduler:
         return batch
 
     def _apply_aborts(self) -> None:
-        for req in [r for r in self.running if r.abort_requested]:
-            self._finish(req, "abort")
-        if self.prefilling is not None and self.prefilling.abort_requested:
-            self._finish(self.prefilling, "abort")
+        aborts, self._aborts = self._aborts, []
+        for req in aborts:  # admitted when asked (abort), and nothing retracts before this
+            if not req.finished:
+                self._finish(req, "abort")
+
+    def _start_running(self, req: Request) -> None:
+        self.running.append(req)
+        self._decode_rows = None
+
+    def _stop_running(self, req: Request) -> None:
+        self.running.remove(req)
+        self._decode_rows = None
 
     def _reserved_target(self, num_positions: int) -> int:
         """Pages a row needs so that positions [0, num_positions + 2 windows + lookahead) are reserved."""
@@ -209,7 +226,7 @@ class Scheduler:
             # Decodable at once: the next decode step reads the relay entry this prefill
             # writes, and the device runs the two in order.
             req.status = Status.RUNNING
-            self.running.append(req)
+            self._start_running(req)
         else:
             self.prefilling = req
         return n
@@ -217,35 +234,48 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:
             return None
-        self._top_up_or_retract()
+        targets = self._top_up_or_retract()
         if not self.running:
             return None
         reservations: list[tuple[int, int, int]] = []
-        for req in self.running:
-            target = self._reserved_target(req.kv_committed)
-            if target > len(req.pages):
-                new = self.pages.allocate(target - len(req.pages))
-                reservations.extend((req.entry, len(req.pages) + i, p) for i, p in enumerate(new))
+        most_pages = 0
+        for req, target in zip(self.running, targets):
+            have = len(req.pages)
+            if target > have:
+                new = self.pages.allocate(target - have)
+                reservations.extend((req.entry, have + i, p) for i, p in enumerate(new))
                 req.pages.extend(new)
-        rows = [BatchRow(req, req.epoch) for req in self.running]
-        ctx_len = min(max(len(r.pages) for r in self.running) * self.cfg.page_size, self.cfg.table_width)
+                have = target
+            most_pages = max(most_pages, have)
+        if self._decode_rows is None:
+            self._decode_rows = [BatchRow(req, req.epoch) for req in self.running]
+        rows = self._decode_rows
+        ctx_len = min(most_pages * self.cfg.page_size, self.cfg.table_width)
         limit = self.cfg.draft_max_rows
         draft = self.cfg.window > 1 and (limit is None or len(rows) <= limit)
         self.num_paused_steps += self.cfg.window > 1 and not draft
         return ScheduledBatch("decode", rows, reservations, ctx_len, draft=draft)
 
-    def _top_up_or_retract(self) -> None:
-        """Make sure every running row can be topped up: evict cached prefixes first, then
-        retract the requests with the fewest generated tokens."""
+    def _row_targets(self) -> list[int]:
+        """_reserved_target of every running row's kv_committed, inlined: this runs for
+        every row on every decode step."""
+        extra, width, ps = 2 * self.cfg.window + self.cfg.lookahead, self.cfg.table_width, self.cfg.page_size
+        return [-(-min(r.kv_committed + extra, width) // ps) for r in self.running]
 
-        def shortfall() -> int:
-            need = sum(max(0, self._reserved_target(r.kv_committed) - len(r.pages)) for r in self.running)
+    def _top_up_or_retract(self) -> list[int]:
+        """Make sure every running row can be topped up: evict cached prefixes first, then
+        retract the requests with the fewest generated tokens. Returns the rows' page
+        targets (_row_targets) for the requests still running."""
+
+        def shortfall(targets) -> int:
+            need = sum(max(0, t - len(r.pages)) for r, t in zip(self.running, targets))
             return need - self.pages.num_free
 
-        short = shortfall()
+        targets = self._row_targets()
+        short = shortfall(targets)
         if short > 0:
             self.pages.free(self.prefix.evict(short))
-            short = shortfall()
+            short = shortfall(targets)
         while short > 0 and self.running:
             if len(self.running) == 1:
                 # Even alone it does not fit: the cache is smaller than this request's context.
@@ -253,10 +283,12 @@ class Scheduler:
                 break
             victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival_time))
             self._retract(victim)
-            short = shortfall()
+            targets = self._row_targets()
+            short = shortfall(targets)
+        return targets
 
     def _retract(self, req: Request) -> None:
-        self.running.remove(req)
+        self._stop_running(req)
         self._release(req, cache=False)
         req.status = Status.WAITING
         req.epoch += 1
@@ -288,10 +320,12 @@ class Scheduler:
         updated: list[Request] = []
         # Python ints and floats, converted once per array rather than once per element.
         tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
+        if batch.kind == "decode" and accept_lens is None:
+            return self._process_plain(batch.rows, tokens, logprobs)
         accept_lens = None if accept_lens is None else np.asarray(accept_lens).tolist()
         for i, row in enumerate(batch.rows):
             req = row.req
-            if req.finished or row.epoch != req.epoch or req.status is not Status.RUNNING:
+            if row.epoch != req.epoch or req.status is not Status.RUNNING:  # finished, retracted
                 continue
             if batch.kind == "prefill":
                 if not row.is_last:
@@ -300,10 +334,6 @@ class Scheduler:
                 if req.resume_token is not None:
                     req.resume_token = None  # the prefill used the token it already had
                     continue
-                new = [(tokens[i], logprobs[i])]
-            elif accept_lens is None:
-                req.kv_committed += 1  # the step wrote the K/V of its input token
-                req.metrics.num_steps += 1
                 new = [(tokens[i], logprobs[i])]
             else:
                 n = accept_lens[i]
@@ -328,22 +358,41 @@ class Scheduler:
                 self._finish(req, reason)
         return updated
 
+    def _process_plain(self, rows: list[BatchRow], tokens: list, logprobs: list) -> list[Request]:
+        """`process` for a plain decode step: one token per row. The same bookkeeping as
+        the general loop, written out for the one case that runs on every step of every row."""
+        updated: list[Request] = []
+        running = Status.RUNNING
+        for row, tok, lp in zip(rows, tokens, logprobs):  # padded rows have no BatchRow: zip stops
+            req = row.req
+            if row.epoch != req.epoch or req.status is not running:  # finished, retracted
+                continue
+            req.kv_committed += 1  # the step wrote the K/V of its input token
+            metrics = req.metrics
+            metrics.num_steps += 1
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            metrics.output_tokens = len(req.output_ids)
+            updated.append(req)
+            reason = self._check_stop(req)
+            if reason is not None:
+                self._finish(req, reason)
+        return updated
+
     def _check_stop(self, req: Request) -> str | None:
-        tok, p = req.output_ids[-1], req.params
-        if tok in p.stop_token_ids:
-            return "stop"
-        if not p.ignore_eos and tok in self.eos_token_ids:
+        if req.output_ids[-1] in req.stop_ids:
             return "stop"
         reason = self.stop_checker(req)
         if reason is not None:
             return reason
-        if len(req.output_ids) >= p.max_new_tokens or req.total_len >= self.cfg.max_context_len:
+        n = len(req.output_ids)
+        if n >= req.params.max_new_tokens or n + len(req.prompt_ids) >= self.cfg.max_context_len:
             return "length"
         return None
 
     def _finish(self, req: Request, reason: str) -> None:
-        if req in self.running:
-            self.running.remove(req)
+        if req.status is Status.RUNNING:
+            self._stop_running(req)
         if self.prefilling is req:
             self.prefilling = None
         if req.status in (Status.PREFILL, Status.RUNNING):

@@ -105,3 +105,32 @@ def test_property_reservations_cover_every_write(lens, num_pages, page_size, ove
         out_of_cache = sched._reserved_target(r.total_len) > sched.pages.capacity
         assert full or out_of_cache
     assert sched.pages.num_free + sched.prefix.num_pages == sched.pages.capacity
+
+
+def test_decode_rows_are_one_list_until_the_running_set_changes():
+    """The runner keeps what it built from a decode batch's rows (its entries array) for as
+    long as it gets the same list object, so the scheduler must hand out a new list
+    whenever a request joins or leaves the running set."""
+    sched, dev = make_scheduler(num_pages=64)
+    a, b, c = req(0, 4, 3), req(1, 4, 20), req(2, 4, 20)
+    for r in (a, b):
+        sched.add(r)
+    first = sched.schedule()  # prefill of a and b
+    sched.process(first, *dev.run(first)[:2])
+    d1 = sched.schedule()
+    sched.process(d1, *dev.run(d1)[:2])
+    d2 = sched.schedule()
+    assert d1.kind == d2.kind == "decode" and d2.rows is d1.rows
+    sched.process(d2, *dev.run(d2)[:2])  # a's third token: a finishes
+    assert a.finish_reason == "length"
+    d3 = sched.schedule()
+    assert d3.rows is not d2.rows and [row.req for row in d3.rows] == [b]
+    sched.process(d3, *dev.run(d3)[:2])
+    sched.add(c)
+    p = sched.schedule()  # c's prefill; c then joins the running set
+    sched.process(p, *dev.run(p)[:2])
+    d4 = sched.schedule()
+    assert d4.rows is not d3.rows and [row.req for row in d4.rows] == [b, c]
+    sched.abort(b)
+    d5 = sched.schedule()
+    assert d5.rows is not d4.rows and [row.req for row in d5.rows] == [c]

@@ -1,0 +1,164 @@
+"""How much of the decode launch is the call's signature, and how much the program? (issue 4)
+
+The engine's launch of a decode step is mostly JAX's, PjRt's and XLA's host work per
+execution (benchmarks/RESULTS.md). Part of that work is per argument and per output buffer
+(flattening, signature checks, usage holds, donation, new output arrays), part per command
+of the step's CUDA graph. This probe separates them. It launches, paced as the engine's
+overlap loop does (launch N+1, start its output's copy to the host, then wait for N):
+
+- step: the real decode step through the runner (two executables in turn);
+- same_leaves: a trivial program over the same arguments (`keep_unused`, so none is
+  pruned), the state donated and handed back, one packed output;
+- packed_relay: the same with the relay's ten [E] arrays as one [E, 8] int32 array and
+  its hidden state (the state then has 5 leaves instead of 13);
+- one_weight: the same as same_leaves with one weight array instead of all of them;
+- bare: the small inputs only, no state, no weights.
+
+Each trivial program also runs three [n, n] matrix products, so that, as in the engine,
+the device is busy with step N while the host launches N+1. Prints a table, writes JSON.
+
+    python benchmarks/signature_floor.py --batches 1 32 --out signature.json
+    python benchmarks/signature_floor.py --tiny          # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import QWEN3_8B, TINY, ensure_importable, git_commit, median, model_dir, print_table  # noqa: E402
+
+
+def paced_launch_ms(call, iters: int) -> float:
+    """Median time until `call()` returns, paced as the overlap loop: launch N+1, start its
+    copy, then wait for N's copy. `call` returns the array the host reads."""
+    import numpy as np
+
+    prev = call()
+    prev.copy_to_host_async()
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        out = call()
+        out.copy_to_host_async()
+        ts.append(time.perf_counter() - t)
+        np.asarray(prev)
+        prev = out
+    np.asarray(prev)
+    return median(ts[3:]) * 1e3
+
+
+def trivial_programs(busy_n: int):
+    """The trivial programs, keyed by variant: jitted functions of (weights, state, entries,
+    reservations table, busy matrix) -> (state, packed [B, 2] int32), state donated."""
+    import jax
+    import jax.numpy as jnp
+
+    def busy(m):  # three chained products keep the device busy for a few ms
+        for _ in range(3):
+            m = (m @ m) * (1.0 / busy_n)
+        return m[0, 0].astype(jnp.int32)
+
+    def with_state(weights, state, entries, table, m):
+        seq_lens = state["seq_lens"]
+        packed = jnp.stack([seq_lens[entries] + table[0, :1] + busy(m), entries], axis=1)  # [B, 2]
+        return dict(state, seq_lens=seq_lens.at[entries].add(1)), packed
+
+    def bare(entries, table, m):
+        return jnp.stack([entries + table[0, :1] + busy(m), entries], axis=1)
+
+    jit_state = jax.jit(with_state, donate_argnums=(1,), keep_unused=True)
+    return jit_state, jax.jit(bare, keep_unused=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--busy-n", type=int, default=None, help="side of the busy matrix (default 8192; 256 with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    ap.add_argument("--out", default="signature_floor.json")
+    args = ap.parse_args()
+    ensure_importable()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxoverlap import steps
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+
+    busy_n = args.busy_n or (256 if args.tiny else 8192)
+    max_b = max(args.batches)
+    engine = Engine(EngineConfig(
+        model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy",
+        dtype="float32" if args.tiny else "bfloat16", max_running_requests=max_b, max_context_len=1024,
+        kv_cache_tokens=max_b * 512, page_size=16, batch_buckets=tuple(sorted(args.batches)), disable_prefix_cache=True,
+    ))
+    r = engine.runner
+    weights = jax.tree.leaves(r.params)
+    matrix = jax.device_put(np.ones((busy_n, busy_n), np.float32)).astype(jnp.bfloat16)
+    jit_state, jit_bare = trivial_programs(busy_n)
+
+    def state_copy(state) -> dict:
+        """A copy of the DeviceState's leaves as a flat dict (for the trivial programs, which
+        donate it: the runner's own state stays untouched)."""
+        seq_lens = state.relay.seq_lens
+        leaves = {f"leaf{i}": jnp.copy(x) for i, x in enumerate(jax.tree.leaves(state)) if x is not seq_lens}
+        return dict(leaves, seq_lens=jnp.copy(seq_lens))
+
+    E = r.state.relay.seq_lens.shape[0]
+    rows = []
+    for B in args.batches:
+        entries = jax.device_put(np.arange(1, B + 1, dtype=np.int32))
+        res = steps.Reservations(jax.device_put(steps.Reservations.empty(max(8, B * r.decode_pages_per_row)).table))
+        key = r._program_key(B, False, r.decode_ctx_buckets[0], False, False)
+        step, _, static = r._decode_program(entries, res, None, r.decode_ctx_buckets[0], False, False)
+
+        def real_step():
+            _, a, _ = r._decode_program(entries, res, None, r.decode_ctx_buckets[0], False, False)
+            r.state, out = r._call_decode(key, step, a, static)
+            return out.packed
+
+        holders = {}
+
+        def trivial(name):
+            def call():
+                w, st = holders[name]
+                st, packed = jit_state(w, st, entries, res.table, matrix)
+                holders[name] = (w, st)
+                return packed
+            return call
+
+        row = {"batch": B, "state_leaves": len(jax.tree.leaves(r.state)), "weight_leaves": len(weights)}
+        calls = {"step": real_step, **{n: trivial(n) for n in ("same_leaves", "packed_relay", "one_weight")},
+                 "bare": lambda: jit_bare(entries, res.table, matrix)}
+        for name, call in calls.items():
+            if name != "step" and name != "bare":  # a fresh copy of the state for each
+                full = state_copy(r.state)
+                if name == "packed_relay":
+                    # seq_lens stays a leaf of its own: the trivial program updates it (a real
+                    # packed relay would hold it as a column of `ints`), so one leaf more here.
+                    full = {"k": full["leaf0"], "v": full["leaf1"], "req_to_token": full["leaf2"],
+                            "seq_lens": full["seq_lens"], "ints": jnp.zeros((E, 8), jnp.int32),
+                            "hidden": jnp.copy(r.state.relay.draft_hidden)}
+                holders[name] = (weights[:1] if name == "one_weight" else weights, full)
+            jax.block_until_ready(call())  # compile
+            row[f"{name}_ms"] = paced_launch_ms(call, args.iters)
+            holders.pop(name, None)  # frees this variant's copy of the state
+        rows.append(row)
+        print_table([row], list(row))
+    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
+           "commit": git_commit(), "args": vars(args), "busy_n": busy_n, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
