@@ -53,6 +53,77 @@ def paced_launch_ms(call, iters: int) -> float:
     return median(ts[3:]) * 1e3
 
 
+def launch_modes(call, iters: int) -> dict:
+    """The same launch in other paces, each as (median wall ms, median thread CPU ms) of the
+    call: is the paced launch slow because the thread works longer (CPU time grows with the
+    wall) or because it waits inside the call (CPU time stays, the wall grows)?
+
+    - back_to_back: calls in a row, no copies, no waits (the device queue grows);
+    - paced: as `paced_launch_ms`;
+    - paced_delay_X: paced, but X ms of busy spinning after the wait, before the next launch
+      (the device is still busy with the step launched before);
+    - idle: the device finished everything, then 2 ms of sleep, then the launch;
+    - spin_copy: paced, but the host polls `is_ready()` of step N until it is done and only
+      then reads it (the copy started at launch), so it sleeps only for the copy's end;
+    - spin_nocopy: the same without copy_to_host_async: the read copies synchronously;
+    - queue3: paced three steps deep (wait for N-2 after launching N+1): blocking waits,
+      but more steps queued;
+    - back_to_back_sleep: back to back with 4 ms of sleep between calls, no reads;
+    - back_to_back_pollute: back to back, but between calls the thread sums a fresh 8 MB
+      array (it evicts the launch's code and data from the core's caches), no reads."""
+    import jax
+    import numpy as np
+
+    def timed(fn):
+        t, c = time.perf_counter(), time.thread_time()
+        out = fn()
+        return out, time.perf_counter() - t, time.thread_time() - c
+
+    def spin(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    res = {}
+    big = np.ones((1 << 20,), np.float64)
+    for mode in ("back_to_back", "paced", "paced_delay_0.5", "paced_delay_2", "idle", "spin_copy", "spin_nocopy",
+                 "queue3", "back_to_back_sleep", "back_to_back_pollute"):
+        jax.block_until_ready(call())
+        walls, cpus = [], []
+        queue = []
+        for _ in range(iters):
+            if mode == "idle":
+                time.sleep(2e-3)
+            out, w, c = timed(call)
+            walls.append(w)
+            cpus.append(c)
+            if mode == "back_to_back_sleep":
+                time.sleep(4e-3)
+            if mode == "back_to_back_pollute":
+                (big + 1.0).sum()
+            if mode.startswith("back_to_back"):
+                continue
+            if mode != "spin_nocopy":
+                out.copy_to_host_async()
+            if mode == "idle":
+                np.asarray(out)
+                continue
+            queue.append(out)
+            if len(queue) < (3 if mode == "queue3" else 2):
+                continue
+            prev = queue.pop(0)
+            if mode.startswith("spin"):
+                while not prev.is_ready():
+                    pass
+            np.asarray(prev)
+            if mode.startswith("paced_delay"):
+                spin(float(mode.rsplit("_", 1)[1]) * 1e-3)
+        jax.block_until_ready(out)
+        res[f"{mode}_wall_ms"] = median(walls[3:]) * 1e3
+        res[f"{mode}_cpu_ms"] = median(cpus[3:]) * 1e3
+    return res
+
+
 def trivial_programs(busy_n: int):
     """The trivial programs, keyed by variant: jitted functions of (weights, state, entries,
     reservations table, busy matrix) -> (state, packed [B, 2] int32), state donated."""
@@ -81,6 +152,9 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--busy-n", type=int, default=None, help="side of the busy matrix (default 8192; 256 with --tiny)")
+    ap.add_argument("--modes", action="store_true",
+                    help="also time the bare program and the step in other paces, wall and thread CPU time")
+    ap.add_argument("--pin-core", type=int, default=None, help="with --modes: pin the launching thread to this core")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="signature_floor.json")
     args = ap.parse_args()
@@ -113,7 +187,7 @@ def main():
         return dict(leaves, seq_lens=jnp.copy(seq_lens))
 
     E = r.state.relay.seq_lens.shape[0]
-    rows = []
+    rows, mode_rows = [], []
     for B in args.batches:
         entries = jax.device_put(np.arange(1, B + 1, dtype=np.int32))
         res = steps.Reservations(jax.device_put(steps.Reservations.empty(max(8, B * r.decode_pages_per_row)).table))
@@ -153,8 +227,16 @@ def main():
             holders.pop(name, None)  # frees this variant's copy of the state
         rows.append(row)
         print_table([row], list(row))
+        if args.modes:
+            if args.pin_core is not None:  # this thread only (pid 0): PjRt's threads keep their cores
+                os.sched_setaffinity(0, {args.pin_core})
+            for name, call in (("bare", calls["bare"]), ("step", real_step)):
+                modes = {"batch": B, "program": name, **launch_modes(call, args.iters)}
+                mode_rows.append(modes)
+                print_table([modes], list(modes))
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
-           "commit": git_commit(), "args": vars(args), "busy_n": busy_n, "rows": rows}
+           "commit": git_commit(), "args": vars(args), "busy_n": busy_n, "rows": rows,
+           "modes": mode_rows}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {args.out}")
