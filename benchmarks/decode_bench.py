@@ -53,7 +53,7 @@ def device_step_ms(engine, batch_size: int, iters: int) -> float:
     return ms
 
 
-def run_workload(engine, batch_size: int, prompt_len: int, new_tokens: int, seed: int):
+def run_workload(engine, batch_size: int, prompt_len: int, new_tokens: int, seed: int, jitter: int = 0):
     import numpy as np
 
     from jaxoverlap.sampling_params import SamplingParams
@@ -62,7 +62,8 @@ def run_workload(engine, batch_size: int, prompt_len: int, new_tokens: int, seed
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch_size):
-        engine.add_request(f"b{batch_size}-{seed}-{i}", [int(t) for t in rng.integers(0, vocab, prompt_len)], params)
+        n = prompt_len + (int(rng.integers(0, jitter)) if jitter else 0)
+        engine.add_request(f"b{batch_size}-{seed}-{i}", [int(t) for t in rng.integers(0, vocab, n)], params)
     start = len(engine.timings)
     t = time.perf_counter()
     finals = {}
@@ -84,6 +85,8 @@ def run_workload(engine, batch_size: int, prompt_len: int, new_tokens: int, seed
         "e2e_tok_s": sum(len(v) for v in finals.values()) / wall,
         "host_prepare_ms": median([x.prepare_s for x in dec]) * 1e3,
         "host_launch_ms": median([x.launch_s for x in dec]) * 1e3,
+        # Decode steps that reserved pages (each sends its reservations with the launch).
+        "steps_with_reservations": sum(1 for x in dec if x.reservations) / max(1, len(dec)),
         "host_process_ms": median([x.process_s for x in dec]) * 1e3,
         "host_total_ms": median([x.prepare_s + x.launch_s + x.process_s for x in dec]) * 1e3,
         "wait_ms": median([x.wait_s for x in dec]) * 1e3,
@@ -107,6 +110,9 @@ def main():
                          "one stack, per layer or in groups of 4 or 12 layers (a second copy of them), or without "
                          "starting each step's copy to the host at launch (no_host_copy: fetch copies once the step "
                          "is done)")
+    ap.add_argument("--prompt-len-jitter", type=int, default=0,
+                    help="prompts of prompt_len + [0, N) tokens: rows then cross page boundaries on different "
+                         "steps, so most steps reserve pages (0: every row reserves on the same step)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()
@@ -167,7 +173,8 @@ def main():
             res = {}
             for overlap in (True, False):
                 engine.set_overlap(overlap)
-                res[overlap] = run_workload(engine, B, args.prompt_len, args.new_tokens, seed=B)
+                res[overlap] = run_workload(engine, B, args.prompt_len, args.new_tokens, seed=B,
+                                            jitter=args.prompt_len_jitter)
             engine.set_overlap(True)
             if first_outputs is None:
                 first_outputs = res[True]["outputs"]
@@ -182,8 +189,8 @@ def main():
     print("\nsummary")
     print_table(rows, ["batch", "variant", "compile_s", "device_step_ms", "floor_ms", "step_over_floor",
                        "overlap_period_ms", "normal_period_ms", "overlap_tok_s", "normal_tok_s", "overlap_gain",
-                       "host_prepare_ms", "host_launch_ms", "host_process_ms", "host_total_ms", "greedy_identical",
-                       "tokens_as_first_variant"])
+                       "host_prepare_ms", "host_launch_ms", "host_process_ms", "host_total_ms", "steps_with_reservations",
+                       "greedy_identical", "tokens_as_first_variant"])
     print(f"wrote {args.out}")
 
 
@@ -199,6 +206,7 @@ def make_row(B, variant, compile_s, dev_ms, floor_ms, res) -> dict:
         "overlap_e2e_tok_s": res[True]["e2e_tok_s"], "normal_e2e_tok_s": res[False]["e2e_tok_s"],
         "host_prepare_ms": res[True]["host_prepare_ms"], "host_launch_ms": res[True]["host_launch_ms"],
         "host_process_ms": res[True]["host_process_ms"], "host_total_ms": res[True]["host_total_ms"],
+        "steps_with_reservations": res[True]["steps_with_reservations"],
         "normal_host_total_ms": res[False]["host_total_ms"], "normal_wait_ms": res[False]["wait_ms"],
         "greedy_identical": same, "detail": res,
     }

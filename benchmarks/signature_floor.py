@@ -12,7 +12,8 @@ overlap loop does (launch N+1, start its output's copy to the host, then wait fo
 - packed_relay: the same with the relay's ten [E] arrays as one [E, 8] int32 array and
   its hidden state (the state then has 5 leaves instead of 13);
 - one_weight: the same as same_leaves with one weight array instead of all of them;
-- bare: the small inputs only, no state, no weights.
+- bare: the small inputs only, no state, no weights;
+- with --fresh-inputs, the step with its reservations table sent anew every step.
 
 Each trivial program also runs three [n, n] matrix products, so that, as in the engine,
 the device is busy with step N while the host launches N+1. Prints a table, writes JSON.
@@ -154,6 +155,8 @@ def main():
     ap.add_argument("--busy-n", type=int, default=None, help="side of the busy matrix (default 8192; 256 with --tiny)")
     ap.add_argument("--modes", action="store_true",
                     help="also time the bare program and the step in other paces, wall and thread CPU time")
+    ap.add_argument("--fresh-inputs", action="store_true",
+                    help="also launch the step with its reservations sent anew every step")
     ap.add_argument("--pin-core", type=int, default=None, help="with --modes: pin the launching thread to this core")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="signature_floor.json")
@@ -225,6 +228,25 @@ def main():
             jax.block_until_ready(call())  # compile
             row[f"{name}_ms"] = paced_launch_ms(call, args.iters)
             holders.pop(name, None)  # frees this variant's copy of the state
+        if args.fresh_inputs:
+            # The step with its reservations table sent anew every step (what a step that
+            # reserves pages does), as a fresh device_put or as a numpy argument, against
+            # the one table on the device that the other calls reuse.
+            table = np.asarray(res.table)
+
+            def step_with(make_res):
+                def call():
+                    _, a, _ = r._decode_program(entries, make_res(), None, r.decode_ctx_buckets[0], False, False)
+                    r.state, out = r._call_decode(key, step, a, static)
+                    return out.packed
+                return call
+
+            for name, make_res in (("fresh_device_put", lambda: steps.Reservations(jax.device_put(table.copy()))),
+                                   ("numpy_arg", lambda: steps.Reservations(table.copy())),
+                                   ("reused", lambda: res)):
+                call = step_with(make_res)
+                jax.block_until_ready(call())
+                row[f"step_{name}_ms"] = paced_launch_ms(call, args.iters)
         rows.append(row)
         print_table([row], list(row))
         if args.modes:

@@ -94,6 +94,9 @@ def run_workload(engine, args, batch_size, new_tokens, seed):
         "e2e_tok_s": sum(len(v) for v in finals.values()) / wall,
         "host_prepare_ms": median([x.prepare_s for x in dec]) * 1e3,
         "host_launch_ms": median([x.launch_s for x in dec]) * 1e3,
+        "host_launch_p90_ms": sorted(x.launch_s for x in dec)[int(0.9 * (len(dec) - 1))] * 1e3 if dec else float("nan"),
+        # Decode steps that reserved pages (each sends its reservations with the launch).
+        "steps_with_reservations": sum(1 for x in dec if x.reservations) / max(1, len(dec)),
         "host_process_ms": median([x.process_s for x in dec]) * 1e3,
         "host_total_ms": median([x.prepare_s + x.launch_s + x.process_s for x in dec]) * 1e3,
         "wait_ms": median([x.wait_s for x in dec]) * 1e3,

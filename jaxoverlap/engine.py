@@ -66,6 +66,7 @@ class StepTiming:
     accepted_tokens: int = 0  # tokens the processed speculative step gained (all rows)
     verify_rows: int = 0  # live rows of the processed speculative step
     start_s: float = 0.0  # time.perf_counter() at the iteration's start (where a run's edges lie)
+    reservations: int = 0  # pages the launched step reserved (sent to the device with it)
 
 
 def _resolve_dtype(name: str):
@@ -382,7 +383,7 @@ class Engine:
         accepted, rows = self._accepted
         self._accepted = (0, 0)
         self.timings.append(StepTiming(kind, size, prepare_s, launch_s, wait_s, process_s, fresh_wait_s, draft_s,
-                                       accepted, rows, start_s))
+                                       accepted, rows, start_s, len(batch.reservations) if batch is not None else 0))
 
     # -- outputs ----------------------------------------------------------------------------------
     def _check_stop_strings(self, req: Request) -> str | None:
