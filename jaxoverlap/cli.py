@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers-per-weight-stack", type=int, default=None,
                    help="one device: store the weight matrices of this many consecutive layers as one array per "
                         "kind, for fewer arguments per step call (default: 4 on a GPU, 1 elsewhere)")
+    g.add_argument("--reserve-slack-tokens", type=int, default=None,
+                   help="positions each row gets beyond its need when a decode step reserves pages anyway, so "
+                        "that rows take pages together and few steps send reservations (default: 2 pages)")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding (SGLang's flag names)")
     s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "draft_model", "ngram", "ngram_device"])

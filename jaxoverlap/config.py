@@ -37,6 +37,11 @@ class EngineConfig:
     # None: 4 on one GPU (engine.GPU_LAYERS_PER_WEIGHT_STACK), 1 elsewhere (XLA:CPU copies
     # the slices out, and there the launch is not what limits the host).
     layers_per_weight_stack: int | None = None
+    # Positions each running row gets beyond its need whenever a decode step reserves pages
+    # anyway, while free pages allow (SchedulerConfig.reserve_slack): rows then take their
+    # next pages together, and far fewer steps send reservations with their launch.
+    # None: 2 pages. 0: only what each step needs.
+    reserve_slack_tokens: int | None = None
     max_queued_requests: int = 4096
     # Speculative decoding (names follow SGLang's flags). One step verifies a window of
     # speculative_num_draft_tokens = 1 + speculative_num_steps positions per request.
@@ -58,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.reserve_slack_tokens is not None and self.reserve_slack_tokens < 0:
+            raise ValueError(f"reserve_slack_tokens must be >= 0, got {self.reserve_slack_tokens}")
         if self.layers_per_weight_stack is not None and self.layers_per_weight_stack < 1:
             raise ValueError(f"layers_per_weight_stack must be >= 1, got {self.layers_per_weight_stack}")
         if self.max_running_requests < 1:

@@ -168,6 +168,7 @@ class Engine:
                 cache_lag=spec.cache_lag if spec else 0,
                 resume_with_last_token=spec is not None,
                 draft_max_rows=config.speculative_disable_by_batch_size if spec else None,
+                reserve_slack=(2 * ps if config.reserve_slack_tokens is None else config.reserve_slack_tokens),
             ),
             PageAllocator(num_pages, ps),
             EntryAllocator(config.max_running_requests),
@@ -192,6 +193,7 @@ class Engine:
             table_width=table_width, batch_buckets=config.batch_buckets, attention=attention,
             drafter=self.drafter, attention_is_length_adaptive=attention is not None,  # the Pallas kernels
             draft_max_rows=config.speculative_disable_by_batch_size,
+            reserve_slack=self.scheduler.cfg.reserve_slack,
             # Only where XLA records CUDA graphs (GPU). The copy is loaded on one device: a
             # sharded program keeps its one executable.
             alternate_executables=(config.alternate_decode_executables and self.mesh is None

@@ -109,6 +109,7 @@ class ModelRunner:
         attention_is_length_adaptive: bool = False,
         draft_max_rows: int | None = None,
         alternate_executables: bool = True,
+        reserve_slack: int = 0,
     ):
         self.params = params
         self.drafter = drafter  # speculative.setup.Drafter or None
@@ -138,10 +139,10 @@ class ModelRunner:
         # (empty splits), batch 32 none (benchmarks/RESULTS.md).
         self.decode_ctx_buckets = (table_width,) if attention_is_length_adaptive else self.ctx_buckets
         # A decode step reserves at most this many pages per row (two windows plus the
-        # drafter's lookahead, plus rounding), so its reservation arrays have a fixed size
-        # per batch bucket.
+        # drafter's lookahead and the scheduler's slack, plus rounding), so its reservation
+        # arrays have a fixed size per batch bucket.
         window, lookahead = (self.spec.window, self.spec.lookahead) if self.spec else (1, 0)
-        self.decode_pages_per_row = -(-(2 * window + lookahead) // page_size) + 1
+        self.decode_pages_per_row = -(-(2 * window + lookahead + reserve_slack) // page_size) + 1
         # Decode programs run as two loaded executables in turn (`_call_decode`).
         self.alternate_executables = alternate_executables
         self._twins: dict[tuple, object] = {}  # program key -> second executable (None: cannot be copied)

@@ -46,6 +46,12 @@ class SchedulerConfig:
     # Decode batches of more rows than this draft nothing (ScheduledBatch.draft); None: all
     # draft. Their reservations still cover a full window, so that any step can draft again.
     draft_max_rows: int | None = None
+    # Positions reserved beyond the rule whenever a decode step must reserve pages anyway,
+    # while free pages allow (never by evicting or retracting). Every row then gets its next
+    # pages in the same step, and the next step that must send reservations to the device
+    # comes at least this many tokens later, instead of rows crossing page boundaries on
+    # different steps and nearly every step sending some. 0: reserve only what the rule needs.
+    reserve_slack: int = 0
 
 
 @dataclasses.dataclass
@@ -238,6 +244,8 @@ class Scheduler:
         if not self.running:
             return None
         reservations: list[tuple[int, int, int]] = []
+        if self.cfg.reserve_slack and any(t > len(r.pages) for r, t in zip(self.running, targets)):
+            targets = self._with_slack(targets)
         most_pages = 0
         for req, target in zip(self.running, targets):
             have = len(req.pages)
@@ -261,6 +269,15 @@ class Scheduler:
         every row on every decode step."""
         extra, width, ps = 2 * self.cfg.window + self.cfg.lookahead, self.cfg.table_width, self.cfg.page_size
         return [-(-min(r.kv_committed + extra, width) // ps) for r in self.running]
+
+    def _with_slack(self, targets: list[int]) -> list[int]:
+        """The page targets of a top-up round: `reserve_slack` more positions for every row,
+        if the free pages hold them; else the rule's own targets."""
+        extra = 2 * self.cfg.window + self.cfg.lookahead + self.cfg.reserve_slack
+        width, ps = self.cfg.table_width, self.cfg.page_size
+        wide = [max(t, -(-min(r.kv_committed + extra, width) // ps)) for r, t in zip(self.running, targets)]
+        need = sum(w - len(r.pages) for r, w in zip(self.running, wide) if w > len(r.pages))
+        return wide if need <= self.pages.num_free else targets
 
     def _top_up_or_retract(self) -> list[int]:
         """Make sure every running row can be topped up: evict cached prefixes first, then

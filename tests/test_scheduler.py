@@ -1,7 +1,7 @@
 """The scheduler and its reservation arithmetic, driven by a numpy fake device (no JAX)."""
 from hypothesis import given, settings, strategies as st
 
-from fake_device import FakeDevice, drive
+from fake_device import FakeDevice, check_writes, drive
 from fake_device import make_request as req
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
@@ -9,10 +9,10 @@ from jaxoverlap.request import Status
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig
 
 
-def make_scheduler(num_pages, page_size=4, max_running=4, chunk=16, max_context=64, prefix=True):
+def make_scheduler(num_pages, page_size=4, max_running=4, chunk=16, max_context=64, prefix=True, slack=0):
     width = -(-max_context // page_size) * page_size
     cfg = SchedulerConfig(page_size=page_size, max_running=max_running, chunked_prefill_size=chunk,
-                          max_prefill_requests=4, max_context_len=max_context, table_width=width)
+                          max_prefill_requests=4, max_context_len=max_context, table_width=width, reserve_slack=slack)
     s = Scheduler(cfg, PageAllocator(num_pages, page_size), EntryAllocator(max_running), PrefixCache(page_size, prefix))
     return s, FakeDevice(max_running + 1, width, page_size)
 
@@ -79,11 +79,12 @@ def test_abort_of_waiting_and_running():
     page_size=st.sampled_from([1, 2, 4, 8]),
     overlap=st.booleans(),
     prefix=st.booleans(),
+    slack=st.sampled_from([0, 3, 8]),
 )
-def test_property_reservations_cover_every_write(lens, num_pages, page_size, overlap, prefix):
-    """Random prompts, outputs, arrival times and cache sizes: no step writes outside the
-    request's reserved pages, every request completes, nothing leaks."""
-    sched, dev = make_scheduler(num_pages=num_pages, page_size=page_size, max_context=64, prefix=prefix)
+def test_property_reservations_cover_every_write(lens, num_pages, page_size, overlap, prefix, slack):
+    """Random prompts, outputs, arrival times, cache sizes and reservation slack: no step
+    writes outside the request's reserved pages, every request completes, nothing leaks."""
+    sched, dev = make_scheduler(num_pages=num_pages, page_size=page_size, max_context=64, prefix=prefix, slack=slack)
     shared = [3] * 8
     arrivals = {}
     reqs = []
@@ -134,3 +135,44 @@ def test_decode_rows_are_one_list_until_the_running_set_changes():
     sched.abort(b)
     d5 = sched.schedule()
     assert d5.rows is not d4.rows and [row.req for row in d5.rows] == [c]
+
+
+def _reserving_steps(slack, num_pages=200):
+    """(share of decode steps that send reservations, retractions) for four rows whose
+    prompts end at different offsets in their pages, so that without slack they cross page
+    boundaries on different steps."""
+    sched, dev = make_scheduler(num_pages=num_pages, page_size=4, max_context=128, prefix=False, slack=slack)
+    reqs = [req(i, 5 + i, 60) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    decode = reserving = 0
+    while sched.has_work():
+        batch = sched.schedule()
+        out = dev.run(batch)
+        check_writes(sched, out[2])
+        sched.process(batch, out[0], out[1])
+        if batch.kind == "decode":
+            decode += 1
+            reserving += bool(batch.reservations)
+    assert all(len(r.output_ids) == 60 for r in reqs)
+    assert sched.pages.num_free == sched.pages.capacity
+    return reserving / decode, sched.num_retractions
+
+
+def test_reservation_slack_makes_rows_take_pages_together():
+    # Without slack each row reserves a page every 4 tokens, each on its own step: nearly
+    # every step sends some. With 8 positions of slack, a step that reserves gives every
+    # row its next pages, and the next such step comes 8 or more steps later.
+    assert _reserving_steps(0)[0] > 0.9
+    assert _reserving_steps(8)[0] < 0.2
+
+
+def test_reservation_slack_never_takes_pages_a_row_needs():
+    # The rows grow to 64-67 positions, plus 2 reserved ahead: 18 pages of 4 each at most.
+    # With just that many pages the slack fits only early on: no retraction, and more
+    # steps reserve than with pages to spare.
+    tight = 4 * 18 + 1  # + the dummy page
+    assert _reserving_steps(0, num_pages=tight)[1] == 0
+    share, retractions = _reserving_steps(8, num_pages=tight)
+    assert retractions == 0
+    assert share > _reserving_steps(8)[0]

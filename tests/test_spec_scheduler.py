@@ -17,12 +17,12 @@ from jaxoverlap.speculative.ngram_index import NgramIndex
 
 
 def make(num_pages, page_size=4, window=4, lookahead=0, rewrite=0, max_running=4, max_context=64, prefix=True,
-         stop_ids=(), draft_max_rows=None):
+         stop_ids=(), draft_max_rows=None, slack=0):
     width = -(-max_context // page_size) * page_size
     cfg = SchedulerConfig(page_size=page_size, max_running=max_running, chunked_prefill_size=15,
                           max_prefill_requests=4, max_context_len=max_context, table_width=width, window=window,
                           lookahead=lookahead, cache_lag=rewrite, resume_with_last_token=True,
-                          draft_max_rows=draft_max_rows)
+                          draft_max_rows=draft_max_rows, reserve_slack=slack)
     sched = Scheduler(cfg, PageAllocator(num_pages, page_size), EntryAllocator(max_running),
                       PrefixCache(page_size, prefix), eos_token_ids=frozenset(stop_ids))
     dev = FakeDevice(max_running + 1, width, page_size, window=window, lookahead=lookahead, rewrite=rewrite)
@@ -40,14 +40,16 @@ def make(num_pages, page_size=4, window=4, lookahead=0, rewrite=0, max_running=4
     prefix=st.booleans(),
     seed=st.integers(0, 1000),
     draft_max_rows=st.one_of(st.none(), st.integers(1, 4)),
+    slack=st.sampled_from([0, 5]),
 )
 def test_property_speculative_reservations_cover_every_write(lens, num_pages, page_size, window, drafter, overlap,
-                                                             prefix, seed, draft_max_rows):
+                                                             prefix, seed, draft_max_rows, slack):
     """Random prompts, outputs, arrivals, cache sizes and accept lengths 1..window, with
     speculation paused above a random batch size: no step writes a slot outside its
     request's reserved row, everything completes, nothing leaks."""
     lookahead, rewrite = {"eagle": (1, 0), "draft_model": (0, 1), "ngram": (0, 0)}[drafter]
-    sched, dev = make(num_pages, page_size, window, lookahead, rewrite, prefix=prefix, draft_max_rows=draft_max_rows)
+    sched, dev = make(num_pages, page_size, window, lookahead, rewrite, prefix=prefix, draft_max_rows=draft_max_rows,
+                      slack=slack)
     dev.rng = np.random.default_rng(seed)
     arrivals, reqs = {}, []
     for i, (n_prompt, n_new, at) in enumerate(lens):
