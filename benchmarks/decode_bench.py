@@ -189,8 +189,8 @@ def main():
     print("\nsummary")
     print_table(rows, ["batch", "variant", "compile_s", "device_step_ms", "floor_ms", "step_over_floor",
                        "overlap_period_ms", "normal_period_ms", "overlap_tok_s", "normal_tok_s", "overlap_gain",
-                       "host_prepare_ms", "host_launch_ms", "host_process_ms", "host_total_ms", "steps_with_reservations",
-                       "greedy_identical", "tokens_as_first_variant"])
+                       "host_prepare_ms", "host_launch_ms", "host_process_ms", "host_total_ms",
+                       "steps_with_reservations", "greedy_identical", "tokens_as_first_variant"])
     print(f"wrote {args.out}")
 
 

@@ -24,7 +24,6 @@ the device is busy with step N while the host launches N+1. Prints a table, writ
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -126,8 +125,9 @@ def launch_modes(call, iters: int) -> dict:
 
 
 def trivial_programs(busy_n: int):
-    """The trivial programs, keyed by variant: jitted functions of (weights, state, entries,
-    reservations table, busy matrix) -> (state, packed [B, 2] int32), state donated."""
+    """The trivial programs: (with_state, bare). with_state(weights, state, entries,
+    reservations table, busy matrix) -> (state, packed [B, 2] int32), the state donated;
+    bare(entries, table, busy matrix) -> packed."""
     import jax
     import jax.numpy as jnp
 

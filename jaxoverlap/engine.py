@@ -406,11 +406,9 @@ class Engine:
         return None
 
     def _make_outputs(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
-        if finished:  # a request that finished in this step is in both lists
-            seen = set()
-            reqs = [r for r in updated + finished if not (r.request_id in seen or seen.add(r.request_id))]
-        else:
-            reqs = updated
+        reqs = updated
+        if finished:  # a request that finished in this step is in both lists: once each, in order
+            reqs = list({r.request_id: r for r in updated + finished}.values())
         outputs = []
         for req in reqs:
             params, n_ids, finished = req.params, len(req.output_ids), req.finished
