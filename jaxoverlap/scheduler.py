@@ -264,18 +264,17 @@ class Scheduler:
         self.num_paused_steps += self.cfg.window > 1 and not draft
         return ScheduledBatch("decode", rows, reservations, ctx_len, draft=draft)
 
-    def _row_targets(self) -> list[int]:
-        """_reserved_target of every running row's kv_committed, inlined: this runs for
-        every row on every decode step."""
-        extra, width, ps = 2 * self.cfg.window + self.cfg.lookahead, self.cfg.table_width, self.cfg.page_size
+    def _row_targets(self, slack: int = 0) -> list[int]:
+        """_reserved_target of every running row's kv_committed (+ `slack` positions),
+        inlined: this runs for every row on every decode step."""
+        extra = 2 * self.cfg.window + self.cfg.lookahead + slack
+        width, ps = self.cfg.table_width, self.cfg.page_size
         return [-(-min(r.kv_committed + extra, width) // ps) for r in self.running]
 
     def _with_slack(self, targets: list[int]) -> list[int]:
         """The page targets of a top-up round: `reserve_slack` more positions for every row,
         if the free pages hold them; else the rule's own targets."""
-        extra = 2 * self.cfg.window + self.cfg.lookahead + self.cfg.reserve_slack
-        width, ps = self.cfg.table_width, self.cfg.page_size
-        wide = [max(t, -(-min(r.kv_committed + extra, width) // ps)) for r, t in zip(self.running, targets)]
+        wide = self._row_targets(self.cfg.reserve_slack)
         need = sum(w - len(r.pages) for r, w in zip(self.running, wide) if w > len(r.pages))
         return wide if need <= self.pages.num_free else targets
 

@@ -64,6 +64,11 @@ class ModelParams:
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
+def _is_grouped(layers) -> bool:
+    """Whether `layers` is a tuple of [G, in, out] groups (not one LayerParams per layer)."""
+    return isinstance(layers, tuple) and bool(layers) and layers[0].wqkv.ndim == 3
+
+
 def layers_per_stack(params) -> int:
     """How many layers share one weight array: 1 per layer (and for weights without
     `layers`, such as EAGLE's), G for groups, L for one stack. A static property of the
@@ -71,7 +76,7 @@ def layers_per_stack(params) -> int:
     layers = getattr(params, "layers", None)
     if isinstance(layers, LayerParams):
         return layers.wqkv.shape[0]
-    if isinstance(layers, tuple) and layers and layers[0].wqkv.ndim == 3:
+    if _is_grouped(layers):
         return layers[0].wqkv.shape[0]
     return 1
 
@@ -80,7 +85,7 @@ def num_layers(params: ModelParams) -> int:
     layers = params.layers
     if isinstance(layers, LayerParams):
         return layers.wqkv.shape[0]
-    return sum(l.wqkv.shape[0] if l.wqkv.ndim == 3 else 1 for l in layers)
+    return sum(l.wqkv.shape[0] for l in layers) if _is_grouped(layers) else len(layers)
 
 
 def layer_at(params: ModelParams, i: int) -> LayerParams:
@@ -91,7 +96,7 @@ def layer_at(params: ModelParams, i: int) -> LayerParams:
     if isinstance(layers, LayerParams):
         # [L, in, out] -> [in, out]
         return dataclasses.replace(layers, **{name: getattr(layers, name)[i] for name in MATRICES})
-    if layers[0].wqkv.ndim == 3:  # groups of G consecutive layers (the last may hold fewer)
+    if _is_grouped(layers):  # groups of G consecutive layers (the last may hold fewer)
         G = layers[0].wqkv.shape[0]
         group = layers[i // G]
         # [G, in, out] -> [in, out]
@@ -115,7 +120,7 @@ def stack_layers(params: ModelParams, *, group_size: int | None = None, delete_s
     With `delete_source` (weights the engine loaded itself), each kind's per-layer arrays
     are deleted as soon as its stack exists, so the memory peak is the weights plus one kind,
     not twice the weights. Under tensor parallelism the engine keeps per-layer arrays."""
-    if not isinstance(params.layers, tuple) or params.layers[0].wqkv.ndim == 3:
+    if not isinstance(params.layers, tuple) or _is_grouped(params.layers):
         return params  # already stacked
     layers = params.layers
     first = layers[0]
@@ -139,7 +144,7 @@ def stack_layers(params: ModelParams, *, group_size: int | None = None, delete_s
 
 def unstack_layers(params: ModelParams) -> ModelParams:
     """The inverse of `stack_layers`: one LayerParams per layer (copies of the slices)."""
-    if isinstance(params.layers, tuple) and params.layers[0].wqkv.ndim == 2:
+    if isinstance(params.layers, tuple) and not _is_grouped(params.layers):
         return params
     return dataclasses.replace(params, layers=tuple(layer_at(params, i) for i in range(num_layers(params))))
 
