@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gc
 import os
 import random
 import time
@@ -194,6 +195,7 @@ class Engine:
             drafter=self.drafter, attention_is_length_adaptive=attention is not None,  # the Pallas kernels
             draft_max_rows=config.speculative_disable_by_batch_size,
             reserve_slack=self.scheduler.cfg.reserve_slack,
+            decode_inputs=config.decode_inputs,
             # Only where XLA records CUDA graphs (GPU). The copy is loaded on one device: a
             # sharded program keeps its one executable.
             alternate_executables=(config.alternate_decode_executables and self.mesh is None
@@ -211,6 +213,7 @@ class Engine:
         self.overlap = not config.disable_overlap
         self.guard_launch = False  # tests set this: launches run under sync_guard.no_host_sync()
         self._accepted = (0, 0)  # (tokens, rows) of the speculative step processed last
+        self._freeze_gc()
 
     # -- set-up helpers -------------------------------------------------------------------------
     def _attention_fn(self):
@@ -455,7 +458,17 @@ class Engine:
         """Compile the decode programs before traffic arrives: by default every batch bucket
         at every context bucket, greedy (pass sampling=(False, True) for both programs).
         Returns the compile time of each program (ModelRunner.precompile)."""
-        return self.runner.precompile(batch_sizes, ctx_lens, sampling, threads)
+        compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads)
+        self._freeze_gc()  # the programs' own long-lived objects too
+        return compiled
+
+    def _freeze_gc(self) -> None:
+        """EngineConfig.freeze_gc: collect once, then move every object alive now (JAX's,
+        the weights', the compiled programs') out of the collector's view, so that the
+        collections that land inside later steps only scan what was made since."""
+        if self.config.freeze_gc:
+            gc.collect()
+            gc.freeze()
 
     def check_integrity(self) -> None:
         """Every page is free, cached or held by an admitted request; every entry is accounted for."""

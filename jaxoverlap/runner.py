@@ -110,6 +110,7 @@ class ModelRunner:
         draft_max_rows: int | None = None,
         alternate_executables: bool = True,
         reserve_slack: int = 0,
+        decode_inputs: str = "on_change",
     ):
         self.params = params
         self.drafter = drafter  # speculative.setup.Drafter or None
@@ -151,6 +152,9 @@ class ModelRunner:
         # Start each step's copy to the host at launch (below). False leaves the copy to
         # `fetch`, which then copies synchronously once the step is done (benchmarks compare).
         self.start_host_copy = True
+        # Which small inputs a decode launch sends (EngineConfig.decode_inputs):
+        # "every_step", "on_change" or "reservations_every_step".
+        self.decode_inputs = decode_inputs
         self._rows_cache = None  # (rows list, bucket, device entries, sampling): _decode_rows
         self._no_reservations: dict[int, steps.Reservations] = {}  # capacity -> zero table on the device
         self._layout_of = None  # (params, its layout key): _program_key
@@ -185,24 +189,29 @@ class ModelRunner:
         return LaunchedStep(batch, out)
 
     def _decode_rows(self, batch: ScheduledBatch, B: int):
-        """(device entries [B], whether any row samples) of a decode batch. The scheduler
-        hands out the same rows list while its running set is unchanged, and a row's entry
-        and sampling params do not change while it runs, so both are built once per set."""
+        """(entries [B], whether any row samples) of a decode batch. The scheduler hands out
+        the same rows list while its running set is unchanged, and a row's entry and
+        sampling params do not change while it runs, so both are built once per set. The
+        entries are a device array, or numpy (sent by every call) with decode_inputs
+        "every_step"."""
         cached = self._rows_cache
         if cached is not None and cached[0] is batch.rows and cached[1] == B:
             return cached[2], cached[3]
         entries = np.zeros((B,), np.int32)  # padded rows on entry 0
         entries[: batch.size] = [row.req.entry for row in batch.rows]
-        entries, sampling = self.inputs.put("entries", entries), batch_samples(batch)
+        if self.decode_inputs != "every_step" or self.inputs.sharding is not None:
+            entries = self.inputs.put("entries", entries)
+        sampling = batch_samples(batch)
         # The list is held here, so its id cannot be reused by another list meanwhile.
         self._rows_cache = (batch.rows, B, entries, sampling)
         return entries, sampling
 
     def _decode_reservations(self, batch: ScheduledBatch, B: int) -> steps.Reservations:
-        """The step's reservations as a device array. Most decode steps reserve no page:
-        they all take one zero table per capacity, sent once."""
+        """The step's reservations table. Sent with every step (a numpy argument) unless
+        decode_inputs is "on_change"; then most decode steps, which reserve no page, take
+        one zero table per capacity, sent once."""
         cap = self._decode_res_capacity(B)
-        if batch.reservations:
+        if batch.reservations or (self.decode_inputs != "on_change" and self.inputs.sharding is None):
             table = self._reservations(batch, cap).table
             if self.inputs.sharding is None:
                 # New content nearly every time: as a numpy argument, which the call sends

@@ -22,3 +22,14 @@ def hf_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_gc():
+    """Engines gc.freeze() the process once built (EngineConfig.freeze_gc). Between tests
+    the frozen objects go back to the collector, so that the engines of finished tests can
+    be collected."""
+    yield
+    import gc
+
+    gc.unfreeze()

@@ -187,3 +187,37 @@ def test_the_engine_alternates_only_on_gpu():
     assert make_engine().runner.alternate_executables == (jax.default_backend() == "gpu")
     assert not make_engine(alternate_decode_executables=False).runner.alternate_executables
     assert EngineConfig().alternate_decode_executables
+
+
+def test_decode_inputs_are_sent_as_configured():
+    """EngineConfig.decode_inputs. "every_step": each decode call takes its entries and its
+    reservations as numpy, so every step allocates the same device buffers (on a GPU the
+    step's CUDA graph then keeps its addresses). "on_change": device arrays, the same object
+    while the running set is unchanged, and numpy reservations only on steps that reserve.
+    The tokens are the same in every mode."""
+    tokens = {}
+    for mode in ("every_step", "on_change", "reservations_every_step"):
+        eng = make_engine(decode_inputs=mode)
+        seen = []  # (entries, reservations table, reserved pages) per decode call
+        call = eng.runner._call_decode
+
+        def spy(key, step, args, static, call=call, seen=seen):
+            seen.append((args[2], args[3].table, int(np.count_nonzero(np.asarray(args[3].table)[2]))))
+            return call(key, step, args, static)
+
+        eng.runner._call_decode = spy
+        finals = run_workload(eng, random_workload(5, n=6))
+        assert_drained(eng)
+        tokens[mode] = {k: v.token_ids for k, v in finals.items()}
+        entries_numpy = [isinstance(e, np.ndarray) for e, _, _ in seen]
+        table_numpy = [isinstance(t, np.ndarray) for _, t, _ in seen]
+        reserving = [n > 0 for _, _, n in seen]
+        assert any(reserving) and not all(reserving), "the workload should have steps with and without reservations"
+        assert all(table_numpy) == (mode != "on_change")
+        assert all(entries_numpy) == (mode == "every_step") and any(entries_numpy) == (mode == "every_step")
+        if mode == "on_change":
+            assert table_numpy == reserving  # the zero table stays on the device
+            assert len({id(e) for e, _, _ in seen}) < len(seen)  # entries reused while the set is unchanged
+    assert tokens["every_step"] == tokens["on_change"] == tokens["reservations_every_step"]
+    with pytest.raises(ValueError, match="decode_inputs"):
+        make_engine(decode_inputs="sometimes")

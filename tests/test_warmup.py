@@ -91,3 +91,21 @@ def test_warmup_with_speculation_paused_above_a_batch_size():
     sizes = {t.batch_size for t in eng.timings if t.kind == "decode"}
     assert {1, 2, 3} <= sizes and eng.stats()["spec_paused_steps"] > 0
     assert COUNTER.count == 0, f"{COUNTER.count} programs compiled after the warm-up"
+
+
+def test_the_engine_freezes_the_garbage_collector_once_built_and_after_warmup():
+    """EngineConfig.freeze_gc: the objects alive once the engine is built (and once warmup
+    compiled its programs) leave the collector's view, so that no full collection of them
+    lands inside a step. gc.freeze is process-wide: conftest undoes it after each test."""
+    import gc
+
+    gc.unfreeze()
+    eng = make_engine(freeze_gc=False)
+    assert gc.get_freeze_count() == 0
+    eng.warmup(batch_sizes=(1,))
+    assert gc.get_freeze_count() == 0
+    eng = make_engine()  # on by default
+    assert gc.get_freeze_count() > 0
+    gc.unfreeze()
+    eng.warmup(batch_sizes=(1,))
+    assert gc.get_freeze_count() > 0
