@@ -48,9 +48,10 @@ class EngineConfig:
     # then allocates the same device buffers, so the step's temp buffer keeps its address
     # and XLA need not re-record the step's CUDA graph (2-3 ms of host time each, measured)
     # when the running set changes or pages are reserved. "on_change": each only when it
-    # changed (cheaper steps, +0.1-0.2 ms, while nothing changes).
-    # "reservations_every_step": the reservations every step, the entries on change. One
-    # device only; under tensor parallelism both are sent on change.
+    # changed; launches are 0.1-0.2 ms shorter while nothing changes, and after a change
+    # up to four launches re-record the graph. "reservations_every_step": the reservations
+    # every step, the entries on change. One device only: under tensor parallelism both
+    # are sent on change.
     decode_inputs: str = "every_step"
     # gc.collect() and gc.freeze() once the engine is built and after warmup(): the many
     # long-lived objects of JAX and of the compiled programs leave the collector's view, so

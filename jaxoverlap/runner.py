@@ -110,7 +110,7 @@ class ModelRunner:
         draft_max_rows: int | None = None,
         alternate_executables: bool = True,
         reserve_slack: int = 0,
-        decode_inputs: str = "on_change",
+        decode_inputs: str = "every_step",
     ):
         self.params = params
         self.drafter = drafter  # speculative.setup.Drafter or None
@@ -155,7 +155,7 @@ class ModelRunner:
         # Which small inputs a decode launch sends (EngineConfig.decode_inputs):
         # "every_step", "on_change" or "reservations_every_step".
         self.decode_inputs = decode_inputs
-        self._rows_cache = None  # (rows list, bucket, device entries, sampling): _decode_rows
+        self._rows_cache = None  # (rows list, bucket, entries, sampling): _decode_rows
         self._no_reservations: dict[int, steps.Reservations] = {}  # capacity -> zero table on the device
         self._layout_of = None  # (params, its layout key): _program_key
 
