@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.device_state import init_device_state, kv_cache_bytes_per_token
-from jaxoverlap.errors import InvalidRequestError, PromptTooLongError, QueueFullError
+from jaxoverlap.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, QueueFullError
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, stack_layers
 from jaxoverlap.outputs import RequestOutput
@@ -103,6 +103,12 @@ class Engine:
         from jaxoverlap.models import loader
 
         self.config = config
+        self.closed = False
+        if config.freeze_gc:
+            # Engines dropped since the last freeze are frozen garbage (their reference
+            # cycles are never collected): freed here, before this engine takes memory.
+            gc.unfreeze()
+            gc.collect()
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -243,6 +249,8 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Queue a request. Bad input raises a ValueError subclass and changes nothing."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -303,6 +311,8 @@ class Engine:
     # -- the loops --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One loop iteration; returns the output deltas it produced."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
         if self.overlap:
             return self._step_overlap()
         return self._step_normal()
@@ -458,9 +468,35 @@ class Engine:
         """Compile the decode programs before traffic arrives: by default every batch bucket
         at every context bucket, greedy (pass sampling=(False, True) for both programs).
         Returns the compile time of each program (ModelRunner.precompile)."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
         compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads)
         self._freeze_gc()  # the programs' own long-lived objects too
         return compiled
+
+    def close(self) -> None:
+        """Free the engine's device memory now: aborts every request, waits for the step in
+        flight, deletes the KV cache and relay, drops the engine's references to the weights
+        and gives the objects frozen at build time back to the collector (with freeze_gc,
+        `del engine` alone frees nothing until another engine is built). The engine cannot
+        run afterwards; closing twice does nothing."""
+        if self.closed:
+            return
+        for rid in list(self.requests):
+            self.abort(rid)
+        self.drain()
+        self.closed = True
+        for x in jax.tree.leaves(self.runner.state):
+            x.delete()  # the engine's own (init_device_state); the weights may be the caller's
+        self.runner.state = self.runner.params = None
+        if self.drafter is not None:
+            self.drafter.params = None
+        self.runner.inputs = self.runner._rows_cache = None
+        self.runner._twins.clear()
+        self.runner._no_reservations.clear()
+        if self.config.freeze_gc:
+            gc.unfreeze()
+        gc.collect()
 
     def _freeze_gc(self) -> None:
         """EngineConfig.freeze_gc: collect once, then move every object alive now (JAX's,

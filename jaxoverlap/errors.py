@@ -1,4 +1,5 @@
-"""Errors raised for bad input. All are ValueErrors, so callers may catch one type."""
+"""Errors raised for bad input, all ValueErrors (callers may catch one type), and for the
+use of a closed engine."""
 
 
 class InvalidRequestError(ValueError):
@@ -11,3 +12,7 @@ class PromptTooLongError(InvalidRequestError):
 
 class QueueFullError(ValueError):
     """Too many queued requests (maps to gRPC RESOURCE_EXHAUSTED)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed (Engine.close): it holds no weights or cache any more."""

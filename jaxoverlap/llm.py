@@ -4,6 +4,7 @@
     llm = LLM("path/to/hf_checkpoint", dtype="bfloat16", max_running_requests=32)
     results = llm.generate(["Hello"], SamplingParams(max_new_tokens=32, temperature=0))
     print(results[0].text, results[0].metrics.time_to_first_token)
+    llm.close()  # frees the weights and the KV cache now (or: with LLM(...) as llm: ...)
 """
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options):
         self.engine = Engine(EngineConfig.from_options(model, **engine_options))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Free the engine's device memory now (Engine.close); the LLM cannot generate after."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

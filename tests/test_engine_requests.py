@@ -142,3 +142,44 @@ def test_device_inputs_are_sent_only_when_they_change():
     other_shape = inputs.put("entries", np.array([1, 5], np.int32))
     assert other_shape is not third
     assert (inputs.sent, inputs.reused) == (3, 1)
+
+
+def test_close_frees_the_cache_keeps_the_callers_weights_and_refuses_work():
+    import gc
+    import weakref
+
+    from jaxoverlap.errors import EngineClosedError
+
+    eng = make_engine()
+    for i in range(3):
+        eng.add_request(f"c{i}", [1, 2, 3, 4 + i], GREEDY)
+    eng.step()
+    eng.step()  # a step in flight, requests running
+    cache = jax.tree.leaves(eng.runner.state)
+    eng.close()
+    assert all(x.is_deleted() for x in cache)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(tiny_params(tiny_config())))  # passed in: the caller's
+    assert all(r.finished for r in eng.requests.values())
+    with pytest.raises(EngineClosedError):
+        eng.add_request("late", [1, 2, 3], GREEDY)
+    with pytest.raises(EngineClosedError):
+        eng.step()
+    eng.close()  # a second close does nothing
+    ref = weakref.ref(eng)
+    del eng
+    gc.collect()
+    assert ref() is None  # close gave the frozen objects back to the collector
+
+
+def test_a_dropped_engine_is_freed_once_the_next_engine_is_built():
+    """With freeze_gc an engine's reference cycles are frozen, so `del engine` frees nothing
+    by itself; building the next engine collects it before loading anything."""
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    ref = weakref.ref(make_engine())
+    gc.collect()
+    assert ref() is not None  # frozen garbage
+    make_engine()
+    assert ref() is None

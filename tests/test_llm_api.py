@@ -43,3 +43,14 @@ def test_bad_prompt_in_a_batch_rejects_the_call_and_leaves_nothing(llm):
         llm.generate(["fine", ""], SamplingParams(max_new_tokens=4))
     assert not llm.engine.has_work()
     llm.engine.check_integrity()
+
+
+def test_llm_as_a_context_manager_closes_its_engine():
+    from jaxoverlap.errors import EngineClosedError
+
+    with LLM(None, max_running_requests=2, max_context_len=128, kv_cache_tokens=512, page_size=8) as llm:
+        [res] = llm.generate(["Hi"], SamplingParams(max_new_tokens=4, temperature=0.0))
+        assert len(res.token_ids) == 4
+    assert llm.engine.closed
+    with pytest.raises(EngineClosedError):
+        llm.generate(["Hi"], SamplingParams(max_new_tokens=4))
