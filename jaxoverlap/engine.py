@@ -486,14 +486,7 @@ class Engine:
             self.abort(rid)
         self.drain()
         self.closed = True
-        for x in jax.tree.leaves(self.runner.state):
-            x.delete()  # the engine's own (init_device_state); the weights may be the caller's
-        self.runner.state = self.runner.params = None
-        if self.drafter is not None:
-            self.drafter.params = None
-        self.runner.inputs = self.runner._rows_cache = None
-        self.runner._twins.clear()
-        self.runner._no_reservations.clear()
+        self.runner.release()
         if self.config.freeze_gc:
             gc.unfreeze()
         gc.collect()

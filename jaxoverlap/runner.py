@@ -159,6 +159,21 @@ class ModelRunner:
         self._no_reservations: dict[int, steps.Reservations] = {}  # capacity -> zero table on the device
         self._layout_of = None  # (params, its layout key): _program_key
 
+    def release(self) -> None:
+        """Engine.close: delete the device state (the KV cache and relay, which the engine
+        made) and drop every reference to the weights (which may be the caller's) and to
+        cached inputs and executables. The runner cannot launch afterwards."""
+        import jax
+
+        for x in jax.tree.leaves(self.state):
+            x.delete()
+        self.state = self.params = None
+        if self.drafter is not None:
+            self.drafter.params = None
+        self.inputs = self._rows_cache = self._layout_of = None
+        self._twins.clear()
+        self._no_reservations.clear()
+
     # -- array building ---------------------------------------------------------------------
     def _reservations(self, batch: ScheduledBatch, capacity: int) -> steps.Reservations:
         n = len(batch.reservations)
