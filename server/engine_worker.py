@@ -316,6 +316,13 @@ class EngineWorker:
             logger.exception("engine step failed during shutdown")
         if self._sinks:
             self._fail_everything(WorkerUnavailableError("engine worker stopped"))
+        if self._factory is not None and hasattr(engine, "close"):
+            # The worker built this engine, so nobody else holds it: free its device memory
+            # now (Engine.close), not when the process ends.
+            try:
+                engine.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                logger.exception("engine close failed during shutdown")
 
     def _fail_everything(self, error: BaseException) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)

@@ -486,3 +486,20 @@ def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
     plain.warmup = lambda: seen.append("unexpected") or []
     EngineWorker(plain).start().stop()
     assert seen == ["engine-thread-under-test"]
+
+
+def test_stop_closes_an_engine_the_worker_built_and_only_that():
+    closed = []
+
+    def fake_with_close():
+        engine = _fake()
+        engine.close = lambda: closed.append(engine)
+        return engine
+
+    worker = EngineWorker(engine_factory=fake_with_close).start()
+    built = worker.engine
+    worker.stop()
+    assert closed == [built]
+    passed_in = fake_with_close()
+    EngineWorker(passed_in).start().stop()
+    assert closed == [built]  # the caller's engine is the caller's to close
