@@ -90,28 +90,30 @@ def parse_log(path: str, marks: list) -> None:
                     cur["graph_executions"] += 1
 
 
+def _row(sel: list) -> dict:
+    """Medians of the times, means of the counts, of some launches."""
+    def mean(k):
+        return sum(m[k] for m in sel) / len(sel)
+
+    return {"n": len(sel), "wall_ms": statistics.median(m["wall_ms"] for m in sel),
+            "cpu_ms": statistics.median(m["cpu_ms"] for m in sel),
+            "cpu_share": sum(m["cpu_ms"] for m in sel) / sum(m["wall_ms"] for m in sel),
+            "gc_ms": mean("gc_ms"), "graph_updates": mean("graph_updates"), "update_ms": mean("update_ms"),
+            "updated_allocs": mean("updated_allocs"),
+            "reserving": sum(1 for m in sel if m["reserved_pages"]) / len(sel)}
+
+
 def summarize(marks: list, slow_ms: float) -> list[dict]:
-    rows = []
+    """One row per (variant, kind, batch size) for all, slow and fast launches."""
     groups = {}
     for m in marks:
         groups.setdefault((m["variant"], m["kind"], m["batch"]), []).append(m)
+    rows = []
     for (variant, kind, b), ms in sorted(groups.items()):
         for label, sel in (("all", ms), ("slow", [m for m in ms if m["wall_ms"] > slow_ms]),
                            ("fast", [m for m in ms if m["wall_ms"] <= slow_ms])):
-            if not sel:
-                continue
-
-            def med(k):
-                return statistics.median(m[k] for m in sel)
-
-            def mean(k):
-                return sum(m[k] for m in sel) / len(sel)
-
-            rows.append({"variant": variant, "kind": kind, "batch": b, "launches": label, "n": len(sel), "wall_ms": med("wall_ms"),
-                         "cpu_ms": med("cpu_ms"), "cpu_share": sum(m["cpu_ms"] for m in sel) / sum(m["wall_ms"] for m in sel),
-                         "gc_ms": mean("gc_ms"), "graph_updates": mean("graph_updates"), "update_ms": mean("update_ms"),
-                         "updated_allocs": mean("updated_allocs"),
-                         "reserving": sum(1 for m in sel if m["reserved_pages"]) / len(sel)})
+            if sel:
+                rows.append({"variant": variant, "kind": kind, "batch": b, "launches": label, **_row(sel)})
     return rows
 
 
@@ -128,7 +130,8 @@ def main():
                          "different steps and the running set changes at the end of the run")
     ap.add_argument("--max-context-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=2, help="timed runs of the workload after the compiling one")
-    ap.add_argument("--variants", nargs="+", default=["every_step"], choices=("every_step", "on_change", "reservations_every_step"),
+    ap.add_argument("--variants", nargs="+", default=["every_step"],
+                    choices=("every_step", "on_change", "reservations_every_step"),
                     help="the runner's decode_inputs (EngineConfig.decode_inputs), one per timed run in turn")
     ap.add_argument("--slow-ms", type=float, default=2.0, help="a launch longer than this counts as slow")
     ap.add_argument("--vlog", action="store_true",
