@@ -32,11 +32,11 @@ def device_step_ms(engine, batch_size: int, iters: int) -> float:
     entries = np.zeros((batch_size,), np.int32)
     entries[:] = np.arange(1, batch_size + 1)
     cap = max(8, batch_size * r.decode_pages_per_row)
-    res = steps.Reservations.empty(cap)
+    inputs = steps.DecodeInputs.of(entries, steps.Reservations.empty(cap))
     ctx = r.ctx_buckets[0] if len(r.ctx_buckets) == 1 else r.ctx_buckets[1]
 
     def call():
-        r.state, out = steps.decode_step(r.params, r.state, entries, res, cfg=r.model_cfg, ctx_len=ctx,
+        r.state, out = steps.decode_step(r.params, r.state, inputs, cfg=r.model_cfg, ctx_len=ctx,
                                          page_size=r.page_size, attention=r.attention, sampling=False)
         return out
 
@@ -107,13 +107,14 @@ def main():
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--variants", nargs="+", default=["default"],
                     choices=["default", "fused", "unfused", "fused_attention", "single_exec", "stacked", "per_layer",
-                             "group4", "group12", "no_host_copy"],
+                             "group4", "group12", "no_host_copy", "on_change"],
                     help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
                          "or off (unfused), only the attention one (fused_attention), the default kernels with "
                          "one executable per decode program instead of two in turn (single_exec), the weights in "
                          "one stack, per layer or in groups of 4 or 12 layers (a second copy of them), or without "
                          "starting each step's copy to the host at launch (no_host_copy: fetch copies once the step "
-                         "is done)")
+                         "is done), or with the step's input array sent only when it changed (on_change, "
+                         "EngineConfig.decode_inputs)")
     ap.add_argument("--prompt-len-jitter", type=int, default=0,
                     help="prompts of prompt_len + [0, N) tokens: rows then cross page boundaries on different "
                          "steps, so most steps reserve pages (0: every row reserves on the same step)")
@@ -161,6 +162,7 @@ def main():
             engine.runner.alternate_executables = alternate and variant != "single_exec"
             engine.runner.params = layouts.get(variant, default_params)
             engine.runner.start_host_copy = variant != "no_host_copy"
+            engine.runner.decode_inputs = "on_change" if variant == "on_change" else "every_step"
             if variant in ("fused", "unfused", "fused_attention"):
                 engine.set_fused_decode(variant != "unfused")
             if variant == "fused_attention":

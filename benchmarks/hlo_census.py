@@ -79,8 +79,8 @@ def main():
             from jaxoverlap.speculative.step import HostDrafts
 
             host = HostDrafts(np.zeros((B, r.spec.num_draft), np.int32), np.zeros((B,), np.int32))
-        res = steps.Reservations(jax.device_put(steps.Reservations.empty(r._decode_res_capacity(B)).table))
-        step, a, static = r._decode_program(jax.device_put(np.zeros((B,), np.int32)), res, host, ctx, False, True)
+        inputs = jax.device_put(steps.DecodeInputs.empty(B, r._decode_res_capacity(B)))
+        step, a, static = r._decode_program(inputs, host, ctx, False, True)
         t = time.perf_counter()
         hlo = step.lower(*a, **static).compile().as_text()
         c = census(hlo)

@@ -89,17 +89,15 @@ def main():
         copies = timer.times.get("copy_to_host_async", [])
 
         # The same program with its arguments already on the device.
-        entries = np.zeros((B,), np.int32)
-        cap = r._decode_res_capacity(B)
-        res = steps.Reservations.empty(cap)
-        step, a, static = r._decode_program(entries, res, None, r.ctx_buckets[0], False, False)
+        inputs = steps.DecodeInputs.empty(B, r._decode_res_capacity(B))
+        step, a, static = r._decode_program(inputs, None, r.ctx_buckets[0], False, False)
         put, dev_call = [], []
         for _ in range(30):
             t = time.perf_counter()
-            e_dev, res_dev = jax.device_put((entries, res))
+            inputs_dev = jax.device_put(inputs)
             put.append(time.perf_counter() - t)
             t = time.perf_counter()
-            r.state, out = step(r.params, r.state, e_dev, res_dev, **static)
+            r.state, out = step(r.params, r.state, inputs_dev, **static)
             dev_call.append(time.perf_counter() - t)
         jax.block_until_ready(out.packed)
         # One decode program for every length (the Pallas kernels walk visible pages only):
@@ -107,17 +105,18 @@ def main():
         # the same step compiled for the whole table.
         periods = {}
         if not args.no_ctx_compare:
-            ent_real = np.arange(1, B + 1, dtype=np.int32)
+            real = steps.DecodeInputs.of(np.arange(1, B + 1, dtype=np.int32),
+                                         steps.Reservations.empty(r._decode_res_capacity(B)))
             for ctx in (256, r.table_width):
-                step, a, static = r._decode_program(ent_real, res, None, ctx, False, False)
+                step, a, static = r._decode_program(real, None, ctx, False, False)
                 relay = r.state.relay
                 r.state = dataclasses.replace(r.state, relay=dataclasses.replace(
                     relay, seq_lens=relay.seq_lens.at[1:B + 1].set(176)))
-                r.state, out = step(r.params, r.state, ent_real, res, **static)  # compile
+                r.state, out = step(r.params, r.state, real, **static)  # compile
                 jax.block_until_ready(out.packed)
                 t = time.perf_counter()
                 for _ in range(20):
-                    r.state, out = step(r.params, r.state, ent_real, res, **static)
+                    r.state, out = step(r.params, r.state, real, **static)
                 jax.block_until_ready(out.packed)
                 periods[f"device_step_ms_ctx{ctx}"] = (time.perf_counter() - t) / 20 * 1e3
         row = {

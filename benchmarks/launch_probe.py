@@ -143,7 +143,7 @@ def _trace_summary(trace_dir: str, steps: int) -> dict:
 def stable_address_dispatch(r, B, kw, reset_lengths, iters) -> dict:
     """Is the dispatch time the CUDA graph update that changed buffer addresses force?
 
-    The same decode step with its small inputs (entries, reservations) baked into the
+    The same decode step with its input array (entries, reservations) baked into the
     program as constants, so that every argument is a buffer that stays put (the weights,
     and the donated state, whose outputs alias it): once still returning the sampled tokens
     (a new output buffer per step), once returning the state only."""
@@ -152,12 +152,11 @@ def stable_address_dispatch(r, B, kw, reset_lengths, iters) -> dict:
 
     from jaxoverlap import steps
 
-    ent = np.arange(1, B + 1, dtype=np.int32)
-    cap = max(8, B * r.decode_pages_per_row)
-    res = steps.Reservations.empty(cap)
+    inputs = steps.DecodeInputs.of(np.arange(1, B + 1, dtype=np.int32),
+                                   steps.Reservations.empty(max(8, B * r.decode_pages_per_row)))
 
     def inner(p, s):
-        return steps.decode_step(p, s, ent, res, **kw)
+        return steps.decode_step(p, s, inputs, **kw)
 
     with_tokens = jax.jit(inner, donate_argnums=1)
     state_only = jax.jit(lambda p, s: inner(p, s)[0], donate_argnums=1)
@@ -185,7 +184,7 @@ def stable_address_dispatch(r, B, kw, reset_lengths, iters) -> dict:
     return out
 
 
-def paced_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
+def paced_dispatch(r, inputs, kw, reset_lengths, iters) -> dict:
     """Why is the same call slower in the engine loop than back to back? The engine keeps one
     step in flight and blocks on the previous step's tokens between launches; back to back,
     the host runs far ahead and never waits. Each mode paces the same call differently and
@@ -205,7 +204,7 @@ def paced_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     from jaxoverlap import steps
 
     def call():
-        r.state, o = steps.decode_step(r.params, r.state, entries, res, **kw)
+        r.state, o = steps.decode_step(r.params, r.state, inputs, **kw)
         return o
 
     def spin_until(deadline):
@@ -245,7 +244,7 @@ def paced_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     return out
 
 
-def address_report(r, entries, res, kw, reset_lengths, calls: int = 6) -> dict:
+def address_report(r, inputs, kw, reset_lengths, calls: int = 6) -> dict:
     """Which buffers of the decode call move between calls? XLA re-records the CUDA graph's
     nodes whose buffers changed address since the last run. The state is donated (outputs
     alias inputs), so its leaves should keep their addresses; the outputs are new buffers.
@@ -264,9 +263,8 @@ def address_report(r, entries, res, kw, reset_lengths, calls: int = 6) -> dict:
     seen: dict[str, set] = {}
     prev = None
     for _ in range(calls):
-        args = {**addresses(r.params, "params"), **addresses(r.state, "state"), **addresses(entries, "entries"),
-                **addresses(res, "res")}
-        r.state, o = steps.decode_step(r.params, r.state, entries, res, **kw)
+        args = {**addresses(r.params, "params"), **addresses(r.state, "state"), **addresses(inputs, "inputs")}
+        r.state, o = steps.decode_step(r.params, r.state, inputs, **kw)
         outs = addresses(o, "out")
         for k, v in {**args, **outs}.items():
             seen.setdefault(k, set()).add(v)
@@ -278,7 +276,7 @@ def address_report(r, entries, res, kw, reset_lengths, calls: int = 6) -> dict:
     return {"address_calls": calls, "address_leaves": len(seen), "address_moved": moved}
 
 
-def stable_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
+def stable_output_dispatch(r, inputs, kw, reset_lengths, iters) -> dict:
     """Does the graph update go away when no buffer moves? The decode call's only moving
     buffers are its fresh outputs (tokens, logprobs: `address_report`), and XLA updates the
     recorded CUDA graph for them on every call. Here the step writes them into donated
@@ -294,8 +292,8 @@ def stable_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     from jaxoverlap import steps
 
     @functools.partial(jax.jit, static_argnames=tuple(kw), donate_argnames=("state", "out"))
-    def step_into(params, state, out, entries, res, **static):
-        state, o = steps.decode_step(params, state, entries, res, **static)
+    def step_into(params, state, out, inputs, **static):
+        state, o = steps.decode_step(params, state, inputs, **static)
         # Written into `out` (not just shaped like it): an argument the result does not
         # use is dropped from the program, and its donation with it.
         return state, jax.tree.map(lambda b, x: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (0,) * b.ndim),
@@ -304,9 +302,9 @@ def stable_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     copy_out = jax.jit(lambda o: jax.tree.map(jnp.copy, o))
 
     reset_lengths()
-    r.state, o = steps.decode_step(r.params, r.state, entries, res, **kw)
+    r.state, o = steps.decode_step(r.params, r.state, inputs, **kw)
     out = jax.tree.map(jnp.zeros_like, o)
-    r.state, out = step_into(r.params, r.state, out, entries, res, **kw)  # compile
+    r.state, out = step_into(r.params, r.state, out, inputs, **kw)  # compile
     jax.block_until_ready(copy_out(out))
     res_ = {}
     reset_lengths()
@@ -314,7 +312,7 @@ def stable_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     t0 = time.perf_counter()
     for _ in range(iters):
         t = time.perf_counter()
-        r.state, out = step_into(r.params, r.state, out, entries, res, **kw)
+        r.state, out = step_into(r.params, r.state, out, inputs, **kw)
         ts.append(time.perf_counter() - t)
         where.add(out.packed.unsafe_buffer_pointer())
     jax.block_until_ready(out)
@@ -327,7 +325,7 @@ def stable_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     ts, tc, waits = [], [], []
     for _ in range(iters):
         t = time.perf_counter()
-        r.state, out = step_into(r.params, r.state, out, entries, res, **kw)
+        r.state, out = step_into(r.params, r.state, out, inputs, **kw)
         t1 = time.perf_counter()
         o = copy_out(out)
         t2 = time.perf_counter()
@@ -344,7 +342,7 @@ def stable_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     return res_
 
 
-def alternating_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
+def alternating_dispatch(r, inputs, kw, reset_lengths, iters) -> dict:
     """Does a second executable of the same step remove the per-call graph update?
 
     XLA keeps one recorded CUDA graph per executable and updates it when a buffer moved
@@ -365,36 +363,36 @@ def alternating_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
 
     static = dict(kw)
 
-    def same_step(params, state, entries, res):
-        return steps.decode_step.__wrapped__(params, state, entries, res, **static)
+    def same_step(params, state, inputs):
+        return steps.decode_step.__wrapped__(params, state, inputs, **static)
 
-    one = lambda p, s, e, rs: steps.decode_step(p, s, e, rs, **static)  # noqa: E731
+    one = lambda p, s, i: steps.decode_step(p, s, i, **static)  # noqa: E731
     t = time.perf_counter()
     jit_twin = jax.jit(same_step, donate_argnums=1)
     reset_lengths()
-    r.state, o = jit_twin(r.params, r.state, entries, res)
+    r.state, o = jit_twin(r.params, r.state, inputs)
     jax.block_until_ready(o.packed)
     out = {"alt_jit_twin_compile_s": time.perf_counter() - t}
     t = time.perf_counter()
-    compiled = steps.decode_step.lower(r.params, r.state, entries, res, **static).compile()
+    compiled = steps.decode_step.lower(r.params, r.state, inputs, **static).compile()
     blob, in_tree, out_tree = serialize_executable.serialize(compiled)
     loaded = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
     out["alt_aot_copy_s"] = time.perf_counter() - t
-    aot_a = lambda p, s, e, rs: compiled(p, s, e, rs)  # noqa: E731
-    aot_b = lambda p, s, e, rs: loaded(p, s, e, rs)  # noqa: E731
+    aot_a = lambda p, s, i: compiled(p, s, i)  # noqa: E731
+    aot_b = lambda p, s, i: loaded(p, s, i)  # noqa: E731
     modes = {"single": (one, one), "single_aot": (aot_a, aot_a), "alt_jit": (one, jit_twin),
              "alt_aot": (aot_a, aot_b)}
     for name, fns in modes.items():
         for copies in (True, False):
             mode = name + ("" if copies else "_nocopy")
             reset_lengths()
-            r.state, prev = fns[0](r.params, r.state, entries, res)
+            r.state, prev = fns[0](r.params, r.state, inputs)
             jax.block_until_ready(prev.packed)
             ts, where = [], [set(), set()]
             for i in range(iters):
                 fn = fns[(i + 1) % 2]
                 t = time.perf_counter()
-                r.state, o = fn(r.params, r.state, entries, res)
+                r.state, o = fn(r.params, r.state, inputs)
                 ts.append(time.perf_counter() - t)
                 where[(i + 1) % 2].add(o.packed.unsafe_buffer_pointer())
                 if copies:
@@ -407,7 +405,7 @@ def alternating_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     return out
 
 
-def host_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
+def host_output_dispatch(r, inputs, kw, reset_lengths, iters) -> dict:
     """Would the step writing its packed output straight into pinned host memory shorten the
     launch? The engine starts one `copy_to_host_async` per step after the call; here the
     program itself places the output in host memory (`jax.device_put` to a `pinned_host`
@@ -421,20 +419,20 @@ def host_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     from jaxoverlap import steps
 
     static = dict(kw)
-    device = entries.devices().pop()
+    device = inputs.packed.devices().pop()
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
-    def to_host(params, state, entries, res):
-        state, o = steps.decode_step.__wrapped__(params, state, entries, res, **static)
+    def to_host(params, state, inputs):
+        state, o = steps.decode_step.__wrapped__(params, state, inputs, **static)
         return state, steps.StepOutput(jax.device_put(o.packed, host))
 
     def pair(fn):
-        compiled = fn.lower(r.params, r.state, entries, res).compile()
+        compiled = fn.lower(r.params, r.state, inputs).compile()
         blob, in_tree, out_tree = serialize_executable.serialize(compiled)
         return compiled, serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
 
     t = time.perf_counter()
-    plain = pair(jax.jit(lambda p, s, e, rs: steps.decode_step.__wrapped__(p, s, e, rs, **static), donate_argnums=1))
+    plain = pair(jax.jit(lambda p, s, i: steps.decode_step.__wrapped__(p, s, i, **static), donate_argnums=1))
     pinned = pair(jax.jit(to_host, donate_argnums=1))
     out = {"host_out_compile_s": time.perf_counter() - t}
     last = {}
@@ -443,13 +441,13 @@ def host_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
         reset_lengths()
         relay = dataclasses.replace(r.state.relay, tokens=jax.device_put(start_tokens, device))
         r.state = dataclasses.replace(r.state, relay=relay)
-        r.state, prev = fns[0](r.params, r.state, entries, res)
+        r.state, prev = fns[0](r.params, r.state, inputs)
         np.asarray(prev.packed)
         out[f"{mode}_memory_kind"] = prev.packed.sharding.memory_kind
         ts, waits = [], []
         for i in range(iters):
             t = time.perf_counter()
-            r.state, o = fns[(i + 1) % 2](r.params, r.state, entries, res)
+            r.state, o = fns[(i + 1) % 2](r.params, r.state, inputs)
             if copies:
                 o.packed.copy_to_host_async()
             t1 = time.perf_counter()
@@ -464,7 +462,7 @@ def host_output_dispatch(r, entries, res, kw, reset_lengths, iters) -> dict:
     return out
 
 
-def unrolled_dispatch(r, entries, res, kw, reset_lengths, iters, unroll) -> dict:
+def unrolled_dispatch(r, inputs, kw, reset_lengths, iters, unroll) -> dict:
     """Would several decode steps per launch amortise the launch? For each n in `unroll`,
     one program chains n decode steps (each feeds the next through the relay, as
     consecutive launches do) and is called as the overlap loop calls a step: launch, start
@@ -479,17 +477,17 @@ def unrolled_dispatch(r, entries, res, kw, reset_lengths, iters, unroll) -> dict
 
     out = {}
     for n in unroll:
-        def chain(p, s, e, res_, n=n):
+        def chain(p, s, inputs, n=n):
             tokens = []
             for _ in range(n):
-                s, o = steps.decode_step(p, s, e, res_, **kw)  # inlined: one program
+                s, o = steps.decode_step(p, s, inputs, **kw)  # inlined: one program
                 tokens.append(o.tokens)
             return s, jnp.stack(tokens)  # [n, B]
 
         fn = jax.jit(chain, donate_argnums=1)
         reset_lengths()
         t = time.perf_counter()
-        r.state, prev = fn(r.params, r.state, entries, res)
+        r.state, prev = fn(r.params, r.state, inputs)
         jax.block_until_ready(prev)
         out[f"unroll{n}_compile_s"] = time.perf_counter() - t
         calls = max(4, iters // n)
@@ -498,7 +496,7 @@ def unrolled_dispatch(r, entries, res, kw, reset_lengths, iters, unroll) -> dict
         t0 = time.perf_counter()
         for _ in range(calls):
             t = time.perf_counter()
-            r.state, toks = fn(r.params, r.state, entries, res)
+            r.state, toks = fn(r.params, r.state, inputs)
             ts.append(time.perf_counter() - t)
             toks.copy_to_host_async()
             np.asarray(prev)
@@ -534,11 +532,11 @@ def child(args) -> dict:
     for B in args.batches:
         pages_per_row = 256 // ps
         cap = B * pages_per_row
-        entries = jax.device_put(np.arange(1, B + 1, dtype=np.int32))
-        ent_np = np.repeat(np.arange(1, B + 1, dtype=np.int32), pages_per_row)
-        res_full = jax.device_put(steps.Reservations.of(
-            ent_np, np.tile(np.arange(pages_per_row, dtype=np.int32), B), np.arange(1, cap + 1, dtype=np.int32)))
-        res_none = jax.device_put(steps.Reservations.empty(cap))
+        entries = np.arange(1, B + 1, dtype=np.int32)
+        ent_np = np.repeat(entries, pages_per_row)
+        inputs_full = jax.device_put(steps.DecodeInputs.of(entries, steps.Reservations.of(
+            ent_np, np.tile(np.arange(pages_per_row, dtype=np.int32), B), np.arange(1, cap + 1, dtype=np.int32))))
+        inputs_none = jax.device_put(steps.DecodeInputs.of(entries, steps.Reservations.empty(cap)))
         kw = dict(cfg=r.model_cfg, ctx_len=r.ctx_buckets[0], page_size=ps, attention=r.attention, sampling=False)
 
         def reset_lengths():
@@ -546,7 +544,7 @@ def child(args) -> dict:
             r.state = dataclasses.replace(r.state, relay=relay)
 
         t = time.perf_counter()
-        r.state, o = steps.decode_step(r.params, r.state, entries, res_full, **kw)
+        r.state, o = steps.decode_step(r.params, r.state, inputs_full, **kw)
         jax.block_until_ready(o.packed)
         compile_s = time.perf_counter() - t
 
@@ -555,7 +553,7 @@ def child(args) -> dict:
             t0 = time.perf_counter()
             for _ in range(n):
                 t = time.perf_counter()
-                r.state, o = steps.decode_step(r.params, r.state, entries, res_none, **kw)
+                r.state, o = steps.decode_step(r.params, r.state, inputs_none, **kw)
                 ts.append(time.perf_counter() - t)
             jax.block_until_ready(o.packed)
             return ts, (time.perf_counter() - t0) / n
@@ -568,16 +566,16 @@ def child(args) -> dict:
         reset_lengths()
         for _ in range(args.iters):
             t = time.perf_counter()
-            r.state, o = steps.decode_step(r.params, r.state, entries, res_none, **kw)
+            r.state, o = steps.decode_step(r.params, r.state, inputs_none, **kw)
             jax.block_until_ready(o.packed)
             sync.append(time.perf_counter() - t)
 
-        trivial = jax.jit(lambda p, s, e, res: s.relay.seq_lens[e] + res.pages[0])
-        jax.block_until_ready(trivial(r.params, r.state, entries, res_none))
+        trivial = jax.jit(lambda p, s, i: s.relay.seq_lens[i.entries] + i.reservations.pages[0])
+        jax.block_until_ready(trivial(r.params, r.state, inputs_none))
         targs = []
         for _ in range(30):
             t = time.perf_counter()
-            y = trivial(r.params, r.state, entries, res_none)
+            y = trivial(r.params, r.state, inputs_none)
             targs.append(time.perf_counter() - t)
         jax.block_until_ready(y)
 
@@ -595,7 +593,7 @@ def child(args) -> dict:
             n = 6
             jax.profiler.start_trace(d, create_perfetto_trace=True)
             for _ in range(n):
-                r.state, o = steps.decode_step(r.params, r.state, entries, res_none, **kw)
+                r.state, o = steps.decode_step(r.params, r.state, inputs_none, **kw)
             jax.block_until_ready(o.packed)
             jax.profiler.stop_trace()
             row["trace"] = _trace_summary(d, n)
@@ -605,17 +603,17 @@ def child(args) -> dict:
                 dst = os.path.join(args.trace_dir, f"launch_{kind}_{args.variant}_{args.attention_backend}_b{B}.json.gz")
                 shutil.copy(f, dst)
         if args.paced:  # after the checksum: its extra steps write the cache
-            row.update(paced_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
+            row.update(paced_dispatch(r, inputs_none, kw, reset_lengths, args.iters))
         if args.stable_out:  # after the checksum, like the paced calls
-            row.update(stable_output_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
+            row.update(stable_output_dispatch(r, inputs_none, kw, reset_lengths, args.iters))
         if args.addresses:  # after the checksum, like the paced calls
-            row.update(address_report(r, entries, res_none, kw, reset_lengths))
+            row.update(address_report(r, inputs_none, kw, reset_lengths))
         if args.alternate:  # after the checksum, like the paced calls
-            row.update(alternating_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
+            row.update(alternating_dispatch(r, inputs_none, kw, reset_lengths, args.iters))
         if args.host_out:  # after the checksum, like the paced calls
-            row.update(host_output_dispatch(r, entries, res_none, kw, reset_lengths, args.iters))
+            row.update(host_output_dispatch(r, inputs_none, kw, reset_lengths, args.iters))
         if args.unroll:  # after the checksum, like the paced calls
-            row.update(unrolled_dispatch(r, entries, res_none, kw, reset_lengths, args.iters, args.unroll))
+            row.update(unrolled_dispatch(r, inputs_none, kw, reset_lengths, args.iters, args.unroll))
         out["rows"].append(row)
         print(json.dumps(row)[:3000], flush=True)
     if stable_job is not None:

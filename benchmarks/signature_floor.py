@@ -12,8 +12,8 @@ overlap loop does (launch N+1, start its output's copy to the host, then wait fo
 - packed_relay: the same with the relay's ten [E] arrays as one [E, 8] int32 array and
   its hidden state (the state then has 5 leaves instead of 13);
 - one_weight: the same as same_leaves with one weight array instead of all of them;
-- bare: the small inputs only, no state, no weights;
-- with --fresh-inputs, the step with its reservations table sent anew every step.
+- bare: the step's input array only, no state, no weights;
+- with --fresh-inputs, the step with its input array sent anew every step.
 
 Each trivial program also runs three [n, n] matrix products, so that, as in the engine,
 the device is busy with step N while the host launches N+1. Prints a table, writes JSON.
@@ -32,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import QWEN3_8B, TINY, ensure_importable, git_commit, median, model_dir, print_table  # noqa: E402
+from slow_launches import thread_usage, usage_delta  # noqa: E402
 
 
 def paced_launch_ms(call, iters: int) -> float:
@@ -53,7 +54,11 @@ def paced_launch_ms(call, iters: int) -> float:
     return median(ts[3:]) * 1e3
 
 
-def launch_modes(call, iters: int) -> dict:
+MODES = ("back_to_back", "paced", "paced_delay_0.5", "paced_delay_2", "idle", "spin_copy", "spin_nocopy", "queue3",
+         "back_to_back_sleep", "back_to_back_pollute", "back_to_back_spin", "paced_spin_wait")
+
+
+def launch_modes(call, iters: int, modes=MODES, spin_wait_s: float = 6e-3) -> dict:
     """The same launch in other paces, each as (median wall ms, median thread CPU ms) of the
     call: is the paced launch slow because the thread works longer (CPU time grows with the
     wall) or because it waits inside the call (CPU time stays, the wall grows)?
@@ -69,15 +74,21 @@ def launch_modes(call, iters: int) -> dict:
     - queue3: paced three steps deep (wait for N-2 after launching N+1): blocking waits,
       but more steps queued;
     - back_to_back_sleep: back to back with 4 ms of sleep between calls, no reads;
+    - back_to_back_spin: the same with 4 ms of busy spinning instead of the sleep;
+    - paced_spin_wait: paced, but the host spins `spin_wait_s` (longer than a step) before it
+      reads step N, so the read finds it done and the thread never sleeps;
     - back_to_back_pollute: back to back, but between calls the thread sums a fresh 8 MB
       array (it evicts the launch's code and data from the core's caches), no reads."""
     import jax
     import numpy as np
 
     def timed(fn):
+        u = thread_usage()
         t, c = time.perf_counter(), time.thread_time()
         out = fn()
-        return out, time.perf_counter() - t, time.thread_time() - c
+        w, c = time.perf_counter() - t, time.thread_time() - c
+        usages.append(usage_delta(u, thread_usage()))
+        return out, w, c
 
     def spin(seconds):
         end = time.perf_counter() + seconds
@@ -86,10 +97,9 @@ def launch_modes(call, iters: int) -> dict:
 
     res = {}
     big = np.ones((1 << 20,), np.float64)
-    for mode in ("back_to_back", "paced", "paced_delay_0.5", "paced_delay_2", "idle", "spin_copy", "spin_nocopy",
-                 "queue3", "back_to_back_sleep", "back_to_back_pollute"):
+    for mode in modes:
         jax.block_until_ready(call())
-        walls, cpus = [], []
+        walls, cpus, usages = [], [], []
         queue = []
         for _ in range(iters):
             if mode == "idle":
@@ -99,6 +109,8 @@ def launch_modes(call, iters: int) -> dict:
             cpus.append(c)
             if mode == "back_to_back_sleep":
                 time.sleep(4e-3)
+            if mode == "back_to_back_spin":
+                spin(4e-3)
             if mode == "back_to_back_pollute":
                 (big + 1.0).sum()
             if mode.startswith("back_to_back"):
@@ -112,6 +124,8 @@ def launch_modes(call, iters: int) -> dict:
             if len(queue) < (3 if mode == "queue3" else 2):
                 continue
             prev = queue.pop(0)
+            if mode == "paced_spin_wait":
+                spin(spin_wait_s)
             if mode.startswith("spin"):
                 while not prev.is_ready():
                     pass
@@ -121,13 +135,17 @@ def launch_modes(call, iters: int) -> dict:
         jax.block_until_ready(out)
         res[f"{mode}_wall_ms"] = median(walls[3:]) * 1e3
         res[f"{mode}_cpu_ms"] = median(cpus[3:]) * 1e3
+        for k in ("sys_ms", "minflt", "vcsw"):  # means: rusage's times may be counted in ticks
+            vals = [u[k] for u in usages[3:] if k in u]
+            if vals:
+                res[f"{mode}_{k}"] = sum(vals) / len(vals)
     return res
 
 
 def trivial_programs(busy_n: int):
-    """The trivial programs: (with_state, bare). with_state(weights, state, entries,
-    reservations table, busy matrix) -> (state, packed [B, 2] int32), the state donated;
-    bare(entries, table, busy matrix) -> packed."""
+    """The trivial programs: (with_state, bare). with_state(weights, state, inputs
+    (steps.DecodeInputs), busy matrix) -> (state, packed [B, 2] int32), the state donated;
+    bare(inputs, busy matrix) -> packed."""
     import jax
     import jax.numpy as jnp
 
@@ -136,13 +154,14 @@ def trivial_programs(busy_n: int):
             m = (m @ m) * (1.0 / busy_n)
         return m[0, 0].astype(jnp.int32)
 
-    def with_state(weights, state, entries, table, m):
-        seq_lens = state["seq_lens"]
-        packed = jnp.stack([seq_lens[entries] + table[0, :1] + busy(m), entries], axis=1)  # [B, 2]
+    def with_state(weights, state, inputs, m):
+        seq_lens, entries = state["seq_lens"], inputs.entries
+        packed = jnp.stack([seq_lens[entries] + inputs.reservations.table[0, :1] + busy(m), entries], axis=1)  # [B, 2]
         return dict(state, seq_lens=seq_lens.at[entries].add(1)), packed
 
-    def bare(entries, table, m):
-        return jnp.stack([entries + table[0, :1] + busy(m), entries], axis=1)
+    def bare(inputs, m):
+        entries = inputs.entries
+        return jnp.stack([entries + inputs.reservations.table[0, :1] + busy(m), entries], axis=1)
 
     jit_state = jax.jit(with_state, donate_argnums=(1,), keep_unused=True)
     return jit_state, jax.jit(bare, keep_unused=True)
@@ -153,10 +172,11 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--busy-n", type=int, default=None, help="side of the busy matrix (default 8192; 256 with --tiny)")
-    ap.add_argument("--modes", action="store_true",
-                    help="also time the bare program and the step in other paces, wall and thread CPU time")
+    ap.add_argument("--modes", nargs="*", default=None, choices=MODES,
+                    help="also time the bare program and the step in other paces (these, or all without a "
+                         "name): wall and thread CPU time, system time, page faults, context switches")
     ap.add_argument("--fresh-inputs", action="store_true",
-                    help="also launch the step with its reservations sent anew every step")
+                    help="also launch the step with its input array sent anew every step")
     ap.add_argument("--pin-core", type=int, default=None, help="with --modes: pin the launching thread to this core")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="signature_floor.json")
@@ -192,13 +212,14 @@ def main():
     E = r.state.relay.seq_lens.shape[0]
     rows, mode_rows = [], []
     for B in args.batches:
-        entries = jax.device_put(np.arange(1, B + 1, dtype=np.int32))
-        res = steps.Reservations(jax.device_put(steps.Reservations.empty(max(8, B * r.decode_pages_per_row)).table))
+        host_inputs = steps.DecodeInputs.of(np.arange(1, B + 1, dtype=np.int32),
+                                            steps.Reservations.empty(r._decode_res_capacity(B)))
+        inputs = jax.device_put(host_inputs)
         key = r._program_key(B, False, r.decode_ctx_buckets[0], False, False)
-        step, _, static = r._decode_program(entries, res, None, r.decode_ctx_buckets[0], False, False)
+        step, _, static = r._decode_program(inputs, None, r.decode_ctx_buckets[0], False, False)
 
         def real_step():
-            _, a, _ = r._decode_program(entries, res, None, r.decode_ctx_buckets[0], False, False)
+            _, a, _ = r._decode_program(inputs, None, r.decode_ctx_buckets[0], False, False)
             r.state, out = r._call_decode(key, step, a, static)
             return out.packed
 
@@ -207,14 +228,14 @@ def main():
         def trivial(name):
             def call():
                 w, st = holders[name]
-                st, packed = jit_state(w, st, entries, res.table, matrix)
+                st, packed = jit_state(w, st, inputs, matrix)
                 holders[name] = (w, st)
                 return packed
             return call
 
         row = {"batch": B, "state_leaves": len(jax.tree.leaves(r.state)), "weight_leaves": len(weights)}
         calls = {"step": real_step, **{n: trivial(n) for n in ("same_leaves", "packed_relay", "one_weight")},
-                 "bare": lambda: jit_bare(entries, res.table, matrix)}
+                 "bare": lambda: jit_bare(inputs, matrix)}
         for name, call in calls.items():
             if name != "step" and name != "bare":  # a fresh copy of the state for each
                 full = state_copy(r.state)
@@ -229,31 +250,29 @@ def main():
             row[f"{name}_ms"] = paced_launch_ms(call, args.iters)
             holders.pop(name, None)  # frees this variant's copy of the state
         if args.fresh_inputs:
-            # The step with its reservations table sent anew every step (what a step that
-            # reserves pages does), as a fresh device_put or as a numpy argument, against
-            # the one table on the device that the other calls reuse.
-            table = np.asarray(res.table)
-
-            def step_with(make_res):
+            # The step with its input array sent anew every step (the engine's default,
+            # decode_inputs="every_step"), as a fresh device_put or as a numpy argument,
+            # against the one array on the device that the other calls reuse.
+            def step_with(make_inputs):
                 def call():
-                    _, a, _ = r._decode_program(entries, make_res(), None, r.decode_ctx_buckets[0], False, False)
+                    _, a, _ = r._decode_program(make_inputs(), None, r.decode_ctx_buckets[0], False, False)
                     r.state, out = r._call_decode(key, step, a, static)
                     return out.packed
                 return call
 
-            for name, make_res in (("fresh_device_put", lambda: steps.Reservations(jax.device_put(table.copy()))),
-                                   ("numpy_arg", lambda: steps.Reservations(table.copy())),
-                                   ("reused", lambda: res)):
-                call = step_with(make_res)
+            fresh = lambda: steps.DecodeInputs(host_inputs.packed.copy(), batch=B)  # noqa: E731
+            for name, make_inputs in (("fresh_device_put", lambda: jax.device_put(fresh())), ("numpy_arg", fresh),
+                                      ("reused", lambda: inputs)):
+                call = step_with(make_inputs)
                 jax.block_until_ready(call())
                 row[f"step_{name}_ms"] = paced_launch_ms(call, args.iters)
         rows.append(row)
         print_table([row], list(row))
-        if args.modes:
+        if args.modes is not None:
             if args.pin_core is not None:  # this thread only (pid 0): PjRt's threads keep their cores
                 os.sched_setaffinity(0, {args.pin_core})
             for name, call in (("bare", calls["bare"]), ("step", real_step)):
-                modes = {"batch": B, "program": name, **launch_modes(call, args.iters)}
+                modes = {"batch": B, "program": name, **launch_modes(call, args.iters, args.modes or MODES)}
                 mode_rows.append(modes)
                 print_table([modes], list(modes))
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),

@@ -1,10 +1,14 @@
 """Why some launches are slow: every launch of an engine workload, its wall time next to
-the calling thread's CPU time, the garbage collections that ran inside it, and (with
+the calling thread's CPU time and resource usage (system time, page faults, context
+switches), the garbage collections and JAX compilations that ran inside it, and (with
 --vlog) XLA's command-buffer log lines written while it ran.
 
 A launch whose CPU time is far below its wall time waited for something (the device, a
-lock, an allocation); one whose CPU time equals its wall time worked the whole time (a
-graph update, a collection). The log lines say which graphs XLA re-recorded inside it.
+lock, an allocation; a voluntary context switch says the thread slept); one whose CPU time
+equals its wall time worked the whole time (a graph update, a collection). The log lines
+say which graphs XLA re-recorded inside it. With --warmup-first the engine's warm-up
+replaces the compiling run, so any trace or compilation in a timed launch is one that the
+warm-up missed.
 
     python benchmarks/slow_launches.py --algo ngram_device --batch 32 --vlog --out slow.json
     python benchmarks/slow_launches.py --algo plain --batch 32 --finish-jitter 32 \
@@ -21,6 +25,7 @@ import gc
 import json
 import os
 import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -34,20 +39,46 @@ UPDATED = re.compile(r"Updated command buffer in (\d+)")
 EXECUTE = "Execute command buffer"
 
 
+def thread_usage() -> tuple:
+    """The calling thread's (user s, system s, minor faults, voluntary and involuntary
+    context switches) so far; None where RUSAGE_THREAD is missing."""
+    if not hasattr(resource, "RUSAGE_THREAD"):
+        return None
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return r.ru_utime, r.ru_stime, r.ru_minflt, r.ru_nvcsw, r.ru_nivcsw
+
+
+def usage_delta(before, after) -> dict:
+    """What the thread spent between two `thread_usage` readings: user and system ms (the
+    system share is syscalls and faults), minor page faults, context switches."""
+    if before is None or after is None:
+        return {}
+    d = [a - b for a, b in zip(after, before)]
+    return {"user_ms": d[0] * 1e3, "sys_ms": d[1] * 1e3, "minflt": d[2], "vcsw": d[3], "ivcsw": d[4]}
+
+
 def instrument(engine, marks: list):
-    """Wrap the runner's launch: marker lines on fd 2 and (wall, thread CPU) per launch.
-    Collections are timed by a gc callback."""
+    """Wrap the runner's launch: marker lines on fd 2, (wall, thread CPU) and the thread's
+    resource usage per launch. Collections are timed by a gc callback."""
     runner, launch = engine.runner, engine.runner.launch
+    last_end = [None]  # the thread's usage when the previous launch returned
 
     def timed_launch(batch):
         i = len(marks)
         os.write(2, f"@@begin {i}\n".encode())
+        u = thread_usage()
         w, c = time.perf_counter(), time.thread_time()
         out = launch(batch)
         wall, cpu = time.perf_counter() - w, time.thread_time() - c
+        end = thread_usage()
+        usage = usage_delta(u, end)
+        # between the previous launch and this one: the wait for the device, process, prepare
+        usage.update({f"between_{k}": v for k, v in usage_delta(last_end[0], u).items()})
+        last_end[0] = end
         os.write(2, f"@@end {i}\n".encode())
         marks.append({"i": i, "variant": runner.decode_inputs, "kind": batch.kind, "batch": batch.size, "start": w,
-                      "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3, "reserved_pages": len(batch.reservations or ())})
+                      "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3, "reserved_pages": len(batch.reservations or ()),
+                      **usage})
         return out
 
     runner.launch = timed_launch
@@ -64,6 +95,15 @@ def gc_recorder(events: list):
         else:
             events.append({"gen": info["generation"], "start": started[0], "ms": (now - started[0]) * 1e3})
     return cb
+
+
+def jax_event_recorder(events: list):
+    """A jax.monitoring listener that appends {name, end, secs} per duration event (tracing,
+    lowering, backend compilation, persistent-cache loads): a launch holding one compiled
+    or traced something."""
+    def on_event(name, secs, **_):
+        events.append({"name": name, "end": time.perf_counter(), "secs": secs})
+    return on_event
 
 
 def parse_log(path: str, marks: list) -> None:
@@ -100,6 +140,8 @@ def _row(sel: list) -> dict:
             "cpu_share": sum(m["cpu_ms"] for m in sel) / sum(m["wall_ms"] for m in sel),
             "gc_ms": mean("gc_ms"), "graph_updates": mean("graph_updates"), "update_ms": mean("update_ms"),
             "updated_allocs": mean("updated_allocs"),
+            **{k: mean(k) for k in ("user_ms", "sys_ms", "minflt", "vcsw", "ivcsw", "between_sys_ms",
+                                    "between_minflt", "between_vcsw") if all(k in m for m in sel)},
             "reserving": sum(1 for m in sel if m["reserved_pages"]) / len(sel)}
 
 
@@ -131,13 +173,16 @@ def main():
     ap.add_argument("--max-context-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=2, help="timed runs of the workload after the compiling one")
     ap.add_argument("--variants", nargs="+", default=["every_step"],
-                    choices=("every_step", "on_change", "reservations_every_step"),
+                    choices=("every_step", "on_change"),
                     help="the runner's decode_inputs (EngineConfig.decode_inputs), one per timed run in turn")
     ap.add_argument("--slow-ms", type=float, default=2.0, help="a launch longer than this counts as slow")
     ap.add_argument("--vlog", action="store_true",
                     help="XLA's command-buffer log (TF_CPP_VMODULE=command_buffer_thunk=3); it slows each update")
     ap.add_argument("--device-iters", type=int, default=0,
                     help="also time this many back-to-back steps (the device step, spec_bench's measure)")
+    ap.add_argument("--warmup-first", action="store_true",
+                    help="Engine.warmup() for the batch size instead of a compiling run of the workload: do the "
+                         "first timed launches after the warm-up trace or compile anything?")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.collect() and gc.freeze() after the compiling run (the engine freezes once built)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -157,6 +202,7 @@ def main():
     import jax
     import jax.numpy as jnp
 
+    from jaxoverlap.buckets import pick
     from jaxoverlap.models.config import ModelConfig
     from jaxoverlap.models.loader import dummy_params
     from jaxoverlap.sampling_params import SamplingParams
@@ -178,9 +224,16 @@ def main():
     cfg = ModelConfig.from_hf_dict(hf)
     params = dummy_params(cfg, jnp.dtype(args.dtype), seed=0)
     engine = make_engine(args, args.algo, "auto", model_dir(hf), cfg, params)
+    jax_events = []
+    jax.monitoring.register_event_duration_secs_listener(jax_event_recorder(jax_events))
     t = time.perf_counter()
-    run(seed=1)  # compiles every program the runs use
-    print(f"compiling run {time.perf_counter() - t:.1f} s; gc objects {len(gc.get_objects())}", flush=True)
+    if args.warmup_first:  # the decode programs only: the first run compiles its prefills
+        engine.warmup(batch_sizes=(pick(engine.runner.batch_buckets, args.batch),))
+        print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
+    else:
+        run(seed=1)  # compiles every program the runs use
+        print(f"compiling run {time.perf_counter() - t:.1f} s; gc objects {len(gc.get_objects())}", flush=True)
+    jax_events.clear()
     device = {}
     if args.device_iters:
         from spec_bench import device_step_ms, last_ctx_bucket
@@ -213,12 +266,17 @@ def main():
         end = m["start"] + m["wall_ms"] / 1e3
         m["gc_ms"] = sum(g["ms"] for g in gcs if m["start"] <= g["start"] < end)
         m["gc_gens"] = [g["gen"] for g in gcs if m["start"] <= g["start"] < end]
+        inside = [e for e in jax_events if m["start"] <= e["end"] <= end]
+        m["jax_events"] = {e["name"].rsplit("/", 1)[-1]: round(e["secs"], 4) for e in inside}
     parse_log(log.name, marks)
     rows = summarize(marks, args.slow_ms)
     print_table(rows, list(rows[0]))
     by_gen = {}
     for g in gcs:
         by_gen.setdefault(g["gen"], []).append(g["ms"])
+    for m in marks:
+        if m["jax_events"]:
+            print(f"launch {m['i']} ({m['kind']}, batch {m['batch']}, {m['wall_ms']:.1f} ms): {m['jax_events']}")
     print("collections during the timed runs (generation: count, median ms, max ms): " + "; ".join(
         f"{k}: {len(v)}, {statistics.median(v):.3f}, {max(v):.3f}" for k, v in sorted(by_gen.items())))
     for r in results:

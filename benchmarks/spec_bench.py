@@ -132,7 +132,7 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
     r = engine.runner
     entries = np.arange(1, batch_size + 1, dtype=np.int32)
     cap = max(8, batch_size * r.decode_pages_per_row)
-    res = steps.Reservations.empty(cap)
+    inputs = steps.DecodeInputs.of(entries, steps.Reservations.empty(cap))
 
     def reset():
         relay = r.state.relay
@@ -140,7 +140,7 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
 
     if r.spec is None:
         def call():
-            r.state, out = steps.decode_step(r.params, r.state, entries, res, cfg=r.model_cfg, ctx_len=ctx_len,
+            r.state, out = steps.decode_step(r.params, r.state, inputs, cfg=r.model_cfg, ctx_len=ctx_len,
                                              page_size=r.page_size, attention=r.attention, sampling=False)
             return out
     else:
@@ -154,7 +154,7 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
                               np.full((batch_size,), r.spec.num_draft, np.int32))
 
         def call():
-            r.state, out = spec_decode_step(r.params, r.drafter.params, r.state, entries, res, host,
+            r.state, out = spec_decode_step(r.params, r.drafter.params, r.state, inputs, host,
                                             cfg=r.model_cfg, spec=spec, ctx_len=ctx_len, page_size=r.page_size,
                                             attention=r.attention, sampling=False)  # the greedy program
             return out

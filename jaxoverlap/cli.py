@@ -40,11 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reserve-slack-tokens", type=int, default=None,
                    help="positions each row gets beyond its need when a decode step reserves pages anyway, so "
                         "that rows take pages together and few steps send reservations (default: 2 pages)")
-    g.add_argument("--decode-inputs", default="every_step", choices=["every_step", "on_change",
-                                                                     "reservations_every_step"],
-                   help="send the decode step's entries and page reservations every step (one device: keeps "
-                        "the step's buffers in place, so XLA need not re-record its CUDA graph) or only when "
-                        "they changed")
+    g.add_argument("--decode-inputs", default="every_step", choices=["every_step", "on_change"],
+                   help="send the decode step's input array (entries and page reservations) every step (one "
+                        "device: keeps the step's buffers in place, so XLA need not re-record its CUDA graph) "
+                        "or only when it changed")
     g.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="leave Python's garbage collector alone (default: gc.freeze() once the engine is built)")
     g.add_argument("--seed", type=int, default=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 SPECULATIVE_ALGORITHMS = (None, "eagle", "draft_model", "ngram", "ngram_device")
-DECODE_INPUTS = ("every_step", "on_change", "reservations_every_step")
+DECODE_INPUTS = ("every_step", "on_change")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,15 +43,14 @@ class EngineConfig:
     # next pages together, and far fewer steps send reservations with their launch.
     # None: 2 pages. 0: only what each step needs.
     reserve_slack_tokens: int | None = None
-    # Which small inputs (the rows' entries, the page reservations) a decode step sends to
-    # the device. "every_step": both, every step, as numpy arguments of the call: each step
-    # then allocates the same device buffers, so the step's temp buffer keeps its address
-    # and XLA need not re-record the step's CUDA graph (2-3 ms of host time each, measured)
-    # when the running set changes or pages are reserved. "on_change": each only when it
-    # changed; launches are 0.1-0.2 ms shorter while nothing changes, and after a change
-    # up to four launches re-record the graph. "reservations_every_step": the reservations
-    # every step, the entries on change. One device only: under tensor parallelism both
-    # are sent on change.
+    # When a decode step's one input array (the rows' entries and the page reservations,
+    # steps.DecodeInputs) goes to the device. "every_step": with every call, as a numpy
+    # argument: each step then allocates the same device buffers, so the step's temp buffer
+    # keeps its address and XLA need not re-record the step's CUDA graph (2-3 ms of host
+    # time each, measured) when the running set changes or pages are reserved.
+    # "on_change": only when its content changed; launches are shorter while nothing
+    # changes, and after a change up to four launches re-record the graph. One device
+    # only: under tensor parallelism it is sent on change.
     decode_inputs: str = "every_step"
     # gc.collect() and gc.freeze() once the engine is built and after warmup(): the many
     # long-lived objects of JAX and of the compiled programs leave the collector's view, so

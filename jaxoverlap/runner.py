@@ -58,16 +58,12 @@ def _sampling_arrays(batch: ScheduledBatch, num_rows: int):
 
 
 class DeviceInputs:
-    """The decode step's small inputs (entries, reservations) as device arrays, sent again
-    only when their content changed since the last step of the same shape.
-
-    In steady decoding the entries do not change and most steps reserve no page, so most
-    steps send nothing (H200, batch 1: 5 transfers for 96 inputs). Measured there
-    (benchmarks/RESULTS.md), this did not shorten the launch itself (1.52 ms before and
-    after at batch 1): the host-to-device copies are not where the launch time goes.
-    It is kept because it removes per-step transfers at no cost. Reusing an input is safe
-    because inputs are never donated, and a reused array holds exactly the content the
-    host built for this step.
+    """The decode step's input array (steps.DecodeInputs) as a device array, sent again
+    only when its content changed since the last step of the same shape: decode_inputs
+    "on_change", and always under tensor parallelism, where the array is placed replicated
+    over the mesh. In steady decoding the entries do not change and most steps reserve no
+    page, so most steps send nothing. Reusing an input is safe because inputs are never
+    donated, and a reused array holds exactly the content the host built for this step.
     """
 
     def __init__(self, sharding=None):
@@ -152,11 +148,10 @@ class ModelRunner:
         # Start each step's copy to the host at launch (below). False leaves the copy to
         # `fetch`, which then copies synchronously once the step is done (benchmarks compare).
         self.start_host_copy = True
-        # Which small inputs a decode launch sends (EngineConfig.decode_inputs):
-        # "every_step", "on_change" or "reservations_every_step".
+        # How a decode launch sends its one input array (EngineConfig.decode_inputs):
+        # "every_step" or "on_change".
         self.decode_inputs = decode_inputs
-        self._rows_cache = None  # (rows list, bucket, entries, sampling): _decode_rows
-        self._no_reservations: dict[int, steps.Reservations] = {}  # capacity -> zero table on the device
+        self._rows_cache = None  # (rows list, bucket, packed inputs without reservations, sampling): _decode_rows
         self._layout_of = None  # (params, its layout key): _program_key
 
     def release(self) -> None:
@@ -172,7 +167,6 @@ class ModelRunner:
             self.drafter.params = None
         self.inputs = self._rows_cache = self._layout_of = None
         self._twins.clear()
-        self._no_reservations.clear()
 
     # -- array building ---------------------------------------------------------------------
     def _reservations(self, batch: ScheduledBatch, capacity: int) -> steps.Reservations:
@@ -204,47 +198,43 @@ class ModelRunner:
         return LaunchedStep(batch, out)
 
     def _decode_rows(self, batch: ScheduledBatch, B: int):
-        """(entries [B], whether any row samples) of a decode batch. The scheduler hands out
-        the same rows list while its running set is unchanged, and a row's entry and
-        sampling params do not change while it runs, so both are built once per set. The
-        entries are a device array, or numpy (sent by every call) with decode_inputs
-        "every_step"."""
+        """(packed inputs without reservations, whether any row samples) of a decode batch:
+        the entries [B] followed by an empty reservations table (steps.DecodeInputs). The
+        scheduler hands out the same rows list while its running set is unchanged, and a
+        row's entry and sampling params do not change while it runs, so both are built once
+        per set. The array is never written after it is built."""
         cached = self._rows_cache
         if cached is not None and cached[0] is batch.rows and cached[1] == B:
             return cached[2], cached[3]
-        entries = np.zeros((B,), np.int32)  # padded rows on entry 0
-        entries[: batch.size] = [row.req.entry for row in batch.rows]
-        if self.decode_inputs != "every_step" or self.inputs.sharding is not None:
-            entries = self.inputs.put("entries", entries)
+        packed = np.zeros((B + 3 * self._decode_res_capacity(B),), np.int32)  # padded rows on entry 0
+        packed[: batch.size] = [row.req.entry for row in batch.rows]
         sampling = batch_samples(batch)
         # The list is held here, so its id cannot be reused by another list meanwhile.
-        self._rows_cache = (batch.rows, B, entries, sampling)
-        return entries, sampling
+        self._rows_cache = (batch.rows, B, packed, sampling)
+        return packed, sampling
 
-    def _decode_reservations(self, batch: ScheduledBatch, B: int) -> steps.Reservations:
-        """The step's reservations table. Sent with every step (a numpy argument) unless
-        decode_inputs is "on_change"; then most decode steps, which reserve no page, take
-        one zero table per capacity, sent once."""
-        cap = self._decode_res_capacity(B)
-        if batch.reservations or (self.decode_inputs != "on_change" and self.inputs.sharding is None):
-            table = self._reservations(batch, cap).table
-            if self.inputs.sharding is None:
-                # New content nearly every time: as a numpy argument, which the call sends
-                # itself, it costs the launch less than a device_put before the call (H200:
-                # +0.12 against +0.28 ms; benchmarks/RESULTS.md, 2026-12-04, third session).
-                return steps.Reservations(table)
-            return steps.Reservations(self.inputs.put("reservations", table))  # placed replicated
-        empty = self._no_reservations.get(cap)
-        if empty is None:
-            empty = steps.Reservations(self.inputs.put("no_reservations", steps.Reservations.empty(cap).table))
-            self._no_reservations[cap] = empty
-        return empty
+    def _decode_inputs(self, batch: ScheduledBatch, B: int, base: np.ndarray) -> steps.DecodeInputs:
+        """The step's one input array: the rows' entries and this step's reservations. As
+        numpy, which the call sends itself, with decode_inputs "every_step" on one device:
+        the call then waits for that copy (one sleep per launch on the H200), yet costs less
+        than a device_put before it (+0.12 against +0.28 ms; benchmarks/RESULTS.md,
+        2026-12-04, third and fifth sessions). Otherwise a device array, sent again only
+        when its content changed (DeviceInputs; placed replicated under tensor parallelism)."""
+        packed = base
+        if batch.reservations:
+            assert len(batch.reservations) <= self._decode_res_capacity(B), "more reservations than the step's table"
+            packed = base.copy()
+            table = packed[B:].reshape(3, -1)  # [3 * N] -> [3, N], a view
+            table[:, : len(batch.reservations)] = np.asarray(batch.reservations, np.int32).T
+        if self.decode_inputs == "on_change" or self.inputs.sharding is not None:
+            packed = self.inputs.put("decode_inputs", packed)
+        return steps.DecodeInputs(packed, batch=B)
 
     def _launch_decode(self, batch: ScheduledBatch):
         """A plain or speculative decode step (the drafter decides which)."""
         B = pick(self.batch_buckets, batch.size)
-        entries, sampling = self._decode_rows(batch, B)
-        res = self._decode_reservations(batch, B)
+        base, sampling = self._decode_rows(batch, B)
+        inputs = self._decode_inputs(batch, B, base)
         host_drafts = None
         if self.needs_host_results(batch):
             from jaxoverlap.speculative.step import HostDrafts
@@ -254,7 +244,7 @@ class ModelRunner:
             self.last_draft_s = time.perf_counter() - t
             host_drafts = HostDrafts(tokens, counts)
         ctx_len = self._ctx_len(batch)
-        step, args, static = self._decode_program(entries, res, host_drafts, ctx_len, sampling, batch.draft)
+        step, args, static = self._decode_program(inputs, host_drafts, ctx_len, sampling, batch.draft)
         key = self._program_key(B, host_drafts is not None, ctx_len, sampling, batch.draft)
         self.state, out = self._call_decode(key, step, args, static)
         return out
@@ -315,16 +305,16 @@ class ModelRunner:
     def _decode_res_capacity(self, B: int) -> int:
         return max(8, B * self.decode_pages_per_row)
 
-    def _decode_program(self, entries, res, host_drafts, ctx_len: int, sampling: bool, draft: bool):
+    def _decode_program(self, inputs: steps.DecodeInputs, host_drafts, ctx_len: int, sampling: bool, draft: bool):
         """(jitted step, arguments, static arguments) of one decode launch. `launch` and
         `precompile` both build their call here, so that they meet in one jit cache entry."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
                       sampling=sampling)
         if self.spec is None:
-            return steps.decode_step, (self.params, self.state, entries, res), static
+            return steps.decode_step, (self.params, self.state, inputs), static
         from jaxoverlap.speculative.step import spec_decode_step
 
-        return (spec_decode_step, (self.params, self.drafter.params, self.state, entries, res, host_drafts),
+        return (spec_decode_step, (self.params, self.drafter.params, self.state, inputs, host_drafts),
                 dict(static, spec=self.spec if draft else self.paused_spec))
 
     # -- ahead-of-time compilation -----------------------------------------------------------
@@ -347,8 +337,7 @@ class ModelRunner:
 
         def compile_one(job):
             B, ctx, s, draft = job
-            cap = self._decode_res_capacity(B)
-            res = steps.Reservations.empty(cap)
+            empty = steps.DecodeInputs.empty(B, self._decode_res_capacity(B))
             host = None
             if draft and self.spec.host_drafts:
                 from jaxoverlap.speculative.step import HostDrafts
@@ -357,8 +346,8 @@ class ModelRunner:
             # Placed as launch places them (DeviceInputs), so that both meet in one cache entry.
             put = functools.partial(jax.device_put, device=self.inputs.sharding)
             t = time.perf_counter()
-            step, args, static = self._decode_program(put(np.zeros((B,), np.int32)), steps.Reservations(put(res.table)),
-                                                      host, ctx, s, draft)
+            inputs = steps.DecodeInputs(put(empty.packed), batch=B)
+            step, args, static = self._decode_program(inputs, host, ctx, s, draft)
             compiled = step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs or is donated
             if self.alternate_executables:
                 key = self._program_key(B, host is not None, ctx, s, draft)

@@ -73,8 +73,8 @@ class StepOutput:
 class Reservations:
     """New pages for req_to_token: position block `page_index` of row `entry` gets `page`.
 
-    One [3, N] int32 array (entries; page indices; pages), so that the host sends one
-    buffer per step, or none when it is unchanged (runner.DeviceInputs). Padded to a fixed
+    One [3, N] int32 array (entries; page indices; pages): one buffer for a prefill, and
+    part of the one input array of a decode step (DecodeInputs). Padded to a fixed
     capacity with (entry 0, block 0, page 0), which rewrites the dummy row with the dummy
     page: harmless.
     """
@@ -100,6 +100,42 @@ class Reservations:
     @property
     def pages(self) -> jax.Array:  # [N]
         return self.table[2]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """Everything the host sends a decode step, in one int32 array: the rows' relay entries,
+    then the step's reservations table, flattened.
+
+    One array means one host-to-device transfer per launch, and one input buffer that
+    XLA's recorded CUDA graph must follow. The host sends it with every step
+    (EngineConfig.decode_inputs), so every step allocates the same buffers and the step's
+    temp buffer keeps its address (benchmarks/RESULTS.md, 2026-12-04). The batch size is
+    static (part of the pytree's structure), so that the split below is a static slice.
+    """
+
+    packed: jax.Array  # [B + 3 * N] int32: entries [B] (padded rows on entry 0), then the [3, N] table
+    batch: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def of(cls, entries, res: Reservations) -> "DecodeInputs":
+        """From host arrays: entries [B] and a reservations table [3, N]."""
+        entries, table = np.asarray(entries, np.int32), np.asarray(res.table, np.int32)
+        return cls(np.concatenate([entries, table.reshape(-1)]), batch=entries.shape[0])  # [3, N] -> [3 * N]
+
+    @classmethod
+    def empty(cls, batch: int, capacity: int) -> "DecodeInputs":
+        """B rows on the dummy entry 0 and no reservation (shapes for compiling)."""
+        return cls(np.zeros((batch + 3 * capacity,), np.int32), batch=batch)
+
+    @property
+    def entries(self):  # [B]
+        return self.packed[: self.batch]
+
+    @property
+    def reservations(self) -> Reservations:
+        return Reservations(self.packed[self.batch :].reshape(3, -1))  # [3 * N] -> [3, N]
 
 
 def apply_reservations(req_to_token: jax.Array, res: Reservations, page_size: int) -> jax.Array:
@@ -141,8 +177,7 @@ def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay
 def decode_step(
     params: ModelParams,
     state: DeviceState,
-    entries: jax.Array,  # [B] int32, padded rows on entry 0
-    res: Reservations,
+    inputs: DecodeInputs,
     *,
     cfg: ModelConfig,
     ctx_len: int,
@@ -151,7 +186,8 @@ def decode_step(
     sampling: bool = True,
 ):
     """One plain decoding step for B rows: one token per row, everything read from the relay."""
-    req_to_token = apply_reservations(state.req_to_token, res, page_size)
+    entries = inputs.entries  # [B] int32, padded rows on entry 0
+    req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
     relay = state.relay
     lens = relay.seq_lens[entries]  # [B]: the position this step writes
     tokens = relay.tokens[entries]  # [B]: the token produced by the previous step

@@ -113,8 +113,8 @@ def test_padded_rows_never_touch_real_rows():
     def copy(s):
         return jax.tree.map(lambda x: jnp.array(x, copy=True), s)
 
-    a, out_a = steps.decode_step(params, copy(state), np.array([1, 2], np.int32), empty, **kw)
-    b, out_b = steps.decode_step(params, copy(state), np.array([1, 2, 0, 0, 0, 0, 0, 0], np.int32), empty, **kw)
+    a, out_a = steps.decode_step(params, copy(state), steps.DecodeInputs.of([1, 2], empty), **kw)
+    b, out_b = steps.decode_step(params, copy(state), steps.DecodeInputs.of([1, 2, 0, 0, 0, 0, 0, 0], empty), **kw)
     np.testing.assert_array_equal(out_a.tokens, out_b.tokens[:2])
     real = np.arange(ps, 5 * ps)  # slots of pages 1..4
     np.testing.assert_array_equal(np.asarray(a.k_cache)[:, real], np.asarray(b.k_cache)[:, real])

@@ -186,7 +186,7 @@ def test_padded_rows_never_touch_real_rows(name):
 
     def run(entries):
         state = jax.tree.map(lambda x: jnp.array(x, copy=True), r.state)
-        return spec_decode_step(r.params, r.drafter.params, state, np.array(entries, np.int32), empty, None,
+        return spec_decode_step(r.params, r.drafter.params, state, steps.DecodeInputs.of(entries, empty), None,
                                 cfg=r.model_cfg, spec=r.spec, ctx_len=r.ctx_buckets[0], page_size=r.page_size,
                                 attention=r.attention, sampling=False)
 
@@ -271,8 +271,9 @@ def test_paused_step_leaves_the_state_of_a_step_whose_drafts_all_missed(name):
 
     def run(spec):
         state = jax.tree.map(lambda x: jnp.array(x, copy=True), r.state)
-        return spec_decode_step(r.params, r.drafter.params, state, entries, empty, None, cfg=r.model_cfg, spec=spec,
-                                ctx_len=r.ctx_buckets[0], page_size=r.page_size, attention=r.attention, sampling=False)
+        return spec_decode_step(r.params, r.drafter.params, state, steps.DecodeInputs.of(entries, empty), None,
+                                cfg=r.model_cfg, spec=spec, ctx_len=r.ctx_buckets[0], page_size=r.page_size,
+                                attention=r.attention, sampling=False)
 
     before = r.state
     full, out_full = run(r.spec)

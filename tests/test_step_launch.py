@@ -190,34 +190,70 @@ def test_the_engine_alternates_only_on_gpu():
 
 
 def test_decode_inputs_are_sent_as_configured():
-    """EngineConfig.decode_inputs. "every_step": each decode call takes its entries and its
-    reservations as numpy, so every step allocates the same device buffers (on a GPU the
-    step's CUDA graph then keeps its addresses). "on_change": device arrays, the same object
-    while the running set is unchanged, and numpy reservations only on steps that reserve.
-    The tokens are the same in every mode."""
+    """EngineConfig.decode_inputs. A decode call takes one input array (steps.DecodeInputs:
+    the rows' entries, then the reservations table). "every_step": numpy with every call,
+    so every step allocates the same device buffers (on a GPU the step's CUDA graph then
+    keeps its addresses). "on_change": a device array, the same object while neither the
+    running set nor the reservations changed. The tokens are the same in both modes."""
+    import jax
+
+    from jaxoverlap import steps
+
     tokens = {}
-    for mode in ("every_step", "on_change", "reservations_every_step"):
+    for mode in ("every_step", "on_change"):
         eng = make_engine(decode_inputs=mode)
-        seen = []  # (entries, reservations table, reserved pages) per decode call
+        seen = []  # (packed inputs, entries, reserved pages) per decode call
         call = eng.runner._call_decode
 
         def spy(key, step, args, static, call=call, seen=seen):
-            seen.append((args[2], args[3].table, int(np.count_nonzero(np.asarray(args[3].table)[2]))))
+            inputs = args[2]
+            assert isinstance(inputs, steps.DecodeInputs)
+            host = steps.DecodeInputs(np.asarray(inputs.packed), batch=inputs.batch)
+            reserved = int(np.count_nonzero(host.reservations.table[2]))
+            seen.append((inputs.packed, host.entries.copy(), reserved))
             return call(key, step, args, static)
 
         eng.runner._call_decode = spy
         finals = run_workload(eng, random_workload(5, n=6))
         assert_drained(eng)
         tokens[mode] = {k: v.token_ids for k, v in finals.items()}
-        entries_numpy = [isinstance(e, np.ndarray) for e, _, _ in seen]
-        table_numpy = [isinstance(t, np.ndarray) for _, t, _ in seen]
         reserving = [n > 0 for _, _, n in seen]
         assert any(reserving) and not all(reserving), "the workload should have steps with and without reservations"
-        assert all(table_numpy) == (mode != "on_change")
-        assert all(entries_numpy) == (mode == "every_step") and any(entries_numpy) == (mode == "every_step")
-        if mode == "on_change":
-            assert table_numpy == reserving  # the zero table stays on the device
-            assert len({id(e) for e, _, _ in seen}) < len(seen)  # entries reused while the set is unchanged
-    assert tokens["every_step"] == tokens["on_change"] == tokens["reservations_every_step"]
+        assert all(set(e.tolist()) - {0} for _, e, _ in seen), "every decode call has a real row"
+        if mode == "every_step":
+            assert all(isinstance(p, np.ndarray) for p, _, _ in seen)
+        else:
+            assert all(isinstance(p, jax.Array) for p, _, _ in seen)
+            assert len({id(p) for p, _, _ in seen}) < len(seen)  # reused while nothing changed
+            assert eng.runner.inputs.reused > 0
+    assert tokens["every_step"] == tokens["on_change"]
     with pytest.raises(ValueError, match="decode_inputs"):
         make_engine(decode_inputs="sometimes")
+
+
+def test_decode_inputs_pack_entries_then_reservations():
+    """steps.DecodeInputs: one int32 array, the entries first, then the reservations table
+    row by row; the batch size is static (part of the pytree's structure), so a program
+    splits it with static slices and one leaf travels to the device."""
+    import jax
+
+    from jaxoverlap import steps
+
+    res = steps.Reservations.of([3, 4], [0, 1], [7, 8])  # [3, 2]
+    inp = steps.DecodeInputs.of([1, 2, 0], res)
+    np.testing.assert_array_equal(inp.packed, [1, 2, 0, 3, 4, 0, 1, 7, 8])
+    np.testing.assert_array_equal(inp.entries, [1, 2, 0])
+    np.testing.assert_array_equal(inp.reservations.table, res.table)
+    assert len(jax.tree.leaves(inp)) == 1
+    assert jax.tree.structure(inp) != jax.tree.structure(steps.DecodeInputs(inp.packed, batch=4))
+    on_device = jax.device_put(inp)
+    assert isinstance(on_device.packed, jax.Array) and on_device.batch == 3
+
+    @jax.jit
+    def split(i):
+        return i.entries * 100 + i.reservations.pages[0], i.reservations.entries
+
+    scaled, res_entries = split(on_device)
+    np.testing.assert_array_equal(scaled, [107, 207, 7])
+    np.testing.assert_array_equal(res_entries, [3, 4])
+    assert steps.DecodeInputs.empty(2, 8).packed.shape == (2 + 3 * 8,)

@@ -32,7 +32,7 @@ from jaxoverlap.sampling import sample
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
 from jaxoverlap.speculative.verify import SamplingRows, accept
-from jaxoverlap.steps import Reservations, StepOutput, apply_reservations, float_bits, pack_for_host
+from jaxoverlap.steps import DecodeInputs, Reservations, StepOutput, apply_reservations, float_bits, pack_for_host
 
 
 @jax.tree_util.register_dataclass
@@ -116,8 +116,7 @@ def spec_decode_step(
     params: ModelParams,
     dparams,
     state: DeviceState,
-    entries: jax.Array,  # [B] int32, padded rows on entry 0
-    res: Reservations,
+    inputs: DecodeInputs,
     host_drafts: HostDrafts | None,
     *,
     cfg: ModelConfig,
@@ -130,7 +129,8 @@ def spec_decode_step(
     """One speculative step for B rows, everything but the host n-gram drafts read from
     the relay. Returns (state, SpecStepOutput). `spec.num_draft == 0` is the paused step:
     a window of one (a plain decode step) that still updates the drafter's state."""
-    req_to_token = apply_reservations(state.req_to_token, res, page_size)
+    entries = inputs.entries  # [B] int32, padded rows on entry 0
+    req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
     relay = state.relay
     B, k = entries.shape[0], spec.num_draft
     W = k + 1
