@@ -7,7 +7,9 @@ the restart time with JAX's persistent compilation cache.
 Two subprocesses share one fresh cache folder: "cold" builds the engine and times
 `Engine.warmup()` (every batch bucket x every context bucket, greedy) with an empty cache;
 "restart" does the same in a new process, which finds every program in the cache. A third
-line, "serial", compiles one program alone, for the per-program cost.
+line, "serial", compiles one program alone, for the per-program cost. The warm-up compiles
+the programs and then runs each once: `warmup_s` holds those runs too, the per-program
+`seconds` do not.
 """
 from __future__ import annotations
 

@@ -465,12 +465,15 @@ class Engine:
         }
 
     def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int = 8) -> list[dict]:
-        """Compile the decode programs before traffic arrives: by default every batch bucket
-        at every context bucket, greedy (pass sampling=(False, True) for both programs).
-        Returns the compile time of each program (ModelRunner.precompile)."""
+        """Compile the decode programs before traffic arrives, by default every batch bucket
+        at every context bucket, greedy (pass sampling=(False, True) for both programs), and
+        run each once on padding rows, so that a program's first execution (XLA records its
+        CUDA graph) does not fall on a served step either. Real rows are untouched, so it
+        may also run between steps while requests are in flight. Returns the compile and
+        run time of each program (ModelRunner.precompile)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
-        compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads)
+        compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads, execute=True)
         self._freeze_gc()  # the programs' own long-lived objects too
         return compiled
 

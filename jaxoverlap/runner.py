@@ -226,9 +226,14 @@ class ModelRunner:
             packed = base.copy()
             table = packed[B:].reshape(3, -1)  # [3 * N] -> [3, N], a view
             table[:, : len(batch.reservations)] = np.asarray(batch.reservations, np.int32).T
+        return steps.DecodeInputs(self._as_sent(packed), batch=B)
+
+    def _as_sent(self, packed: np.ndarray):
+        """A decode input array as the launch passes it: numpy, or a device array sent when
+        its content changed (DeviceInputs)."""
         if self.decode_inputs == "on_change" or self.inputs.sharding is not None:
-            packed = self.inputs.put("decode_inputs", packed)
-        return steps.DecodeInputs(packed, batch=B)
+            return self.inputs.put("decode_inputs", packed)
+        return packed
 
     def _launch_decode(self, batch: ScheduledBatch):
         """A plain or speculative decode step (the drafter decides which)."""
@@ -318,7 +323,8 @@ class ModelRunner:
                 dict(static, spec=self.spec if draft else self.paused_spec))
 
     # -- ahead-of-time compilation -----------------------------------------------------------
-    def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int = 8) -> list[dict]:
+    def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int = 8,
+                   execute: bool = False) -> list[dict]:
         """Compile the decode programs (plain or speculative) of these buckets before they
         are needed: by default every batch bucket at every decode context bucket, greedy.
 
@@ -326,8 +332,9 @@ class ModelRunner:
         with many cores this divides the wall time. `jit(...).lower(...).compile()` leaves
         the executable in jit's own cache, so the first launch of those shapes does not
         compile again; with `compilation_cache_dir` set, a restarted process loads them
-        from disk instead of compiling. Returns one {batch, ctx_len, sampling, seconds}
-        per program."""
+        from disk instead of compiling. With `execute`, each program then runs once on
+        padding rows (`_run_padding_step`). Returns one {batch, ctx_len, sampling, draft,
+        seconds} per program, with `run_seconds` when executed."""
         from concurrent.futures import ThreadPoolExecutor
 
         import jax
@@ -338,11 +345,7 @@ class ModelRunner:
         def compile_one(job):
             B, ctx, s, draft = job
             empty = steps.DecodeInputs.empty(B, self._decode_res_capacity(B))
-            host = None
-            if draft and self.spec.host_drafts:
-                from jaxoverlap.speculative.step import HostDrafts
-
-                host = HostDrafts(np.zeros((B, self.spec.num_draft), np.int32), np.zeros((B,), np.int32))
+            host = self._no_host_drafts(B) if draft else None
             # Placed as launch places them (DeviceInputs), so that both meet in one cache entry.
             put = functools.partial(jax.device_put, device=self.inputs.sharding)
             t = time.perf_counter()
@@ -355,7 +358,38 @@ class ModelRunner:
             return {"batch": B, "ctx_len": ctx, "sampling": s, "draft": draft, "seconds": time.perf_counter() - t}
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            return list(pool.map(compile_one, jobs))
+            report = list(pool.map(compile_one, jobs))
+        if execute:  # in order, on this thread: each run takes the state the one before returned
+            for row in report:
+                t = time.perf_counter()
+                self._run_padding_step(row["batch"], row["ctx_len"], row["sampling"], row["draft"])
+                row["run_seconds"] = time.perf_counter() - t
+            jax.block_until_ready(self.state)
+        return report
+
+    def _no_host_drafts(self, B: int):
+        """Empty host n-gram drafts for B rows (None for drafters that draft on the device)."""
+        if self.spec is None or not self.spec.host_drafts:
+            return None
+        from jaxoverlap.speculative.step import HostDrafts
+
+        return HostDrafts(np.zeros((B, self.spec.num_draft), np.int32), np.zeros((B,), np.int32))
+
+    def _run_padding_step(self, B: int, ctx_len: int, sampling: bool, draft: bool) -> None:
+        """Launch one decode program with padding rows only, once on each of its executables,
+        with its input array passed as a launch passes it. A program's first execution does
+        work that compiling does not: XLA records its CUDA graph (6-8 ms for a decode step on
+        the H200, once per executable) and JAX sets up the call's fast path. Done here, none
+        of it falls on a served step. Padding rows read and write only the dummy entry 0 and
+        the dummy page 0, as in every decode step, so real rows are untouched; the step's
+        output is dropped."""
+        packed = self._as_sent(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed)
+        inputs = steps.DecodeInputs(packed, batch=B)
+        host = self._no_host_drafts(B) if draft else None
+        key = self._program_key(B, host is not None, ctx_len, sampling, draft)
+        for _ in range(2 if self.alternate_executables else 1):
+            step, args, static = self._decode_program(inputs, host, ctx_len, sampling, draft)  # today's state
+            self.state, _ = self._call_decode(key, step, args, static)
 
     def _launch_spec_prefill(self, batch: ScheduledBatch):
         from jaxoverlap.speculative.step import SpecPrefillInputs, spec_prefill_step

@@ -171,12 +171,15 @@ def test_two_executables_with_a_speculative_drafter():
     assert results[True] == results[False]
 
 
-def test_warmup_loads_the_twin_of_each_program():
+def test_warmup_loads_the_twin_of_each_program_and_runs_both():
+    """The warm-up makes each program's second executable and runs each program once on
+    each executable (padding rows only), so that no first execution falls on a served step."""
     eng = engine(True, batch_buckets=(2, 4), max_running_requests=4)
     report = eng.warmup()
     r = eng.runner
     keys = {r._program_key(x["batch"], False, x["ctx_len"], x["sampling"], x["draft"]) for x in report}
     assert keys <= set(r._twins) and all(r._twins[k] is not None for k in keys)
+    assert r.twin_launches == len(report) and all(x["run_seconds"] > 0 for x in report)
 
 
 def test_the_engine_alternates_only_on_gpu():

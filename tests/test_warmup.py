@@ -1,5 +1,6 @@
-"""Engine.warmup compiles the decode programs ahead of use: the first launches of those
-shapes then compile nothing, for plain decoding and for a speculative drafter."""
+"""Engine.warmup compiles the decode programs ahead of use and runs each once on padding
+rows: the first launches of those shapes then compile nothing, for plain decoding and for
+a speculative drafter, and requests in flight during a warm-up are not disturbed."""
 import jax
 import pytest
 
@@ -109,3 +110,32 @@ def test_the_engine_freezes_the_garbage_collector_once_built_and_after_warmup():
     gc.unfreeze()
     eng.warmup(batch_sizes=(1,))
     assert gc.get_freeze_count() > 0
+
+
+@pytest.mark.parametrize("algo", [None, "ngram_device", "ngram"])
+def test_warmup_while_requests_run_leaves_their_tokens_unchanged(algo):
+    """The warm-up's padding-row steps read and write only the dummy entry and page: a
+    warm-up between two steps of running requests (one step still in flight under
+    overlap) changes none of their tokens."""
+    opts = dict(batch_buckets=(2, 4), max_running_requests=4, max_context_len=64, disable_prefix_cache=True)
+    if algo:
+        opts["speculative_algorithm"] = algo
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = {f"r{i}": [3 + i, 9, 4, 1 + i, 7, 3 + i, 9] for i in range(3)}
+    tokens = {}
+    for warm in (False, True):
+        eng = make_engine(**opts)
+        for rid, prompt in prompts.items():
+            eng.add_request(rid, prompt, params)
+        finals = {}
+        for i in range(200):
+            if not eng.has_work():
+                break
+            if warm and i == 4:
+                assert eng._inflight is not None  # a step is in flight across the warm-up
+                eng.warmup()
+            finals.update({o.request_id: o for o in eng.step() if o.finished})
+        tokens[warm] = {rid: finals[rid].token_ids for rid in prompts}
+        eng.check_integrity()
+    assert all(len(t) == 10 for t in tokens[True].values())
+    assert tokens[True] == tokens[False]
