@@ -139,3 +139,32 @@ def test_warmup_while_requests_run_leaves_their_tokens_unchanged(algo):
         eng.check_integrity()
     assert all(len(t) == 10 for t in tokens[True].values())
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("mode", ["every_step", "on_change"])
+def test_warmup_runs_programs_with_the_input_kind_the_engine_launches_with(mode):
+    """On the H200 a speculative program that first ran with numpy inputs compiled once more
+    at its first launch with a device array, and the other way round (benchmarks/RESULTS.md,
+    2026-12-04, fifth session). So the warm-up's runs pass the input array as the engine's
+    decode_inputs will: numpy with every_step, a device array with on_change."""
+    import numpy as np
+
+    from jaxoverlap import steps
+
+    eng = make_engine(batch_buckets=(2, 4), max_running_requests=4, max_context_len=64, disable_prefix_cache=True,
+                      speculative_algorithm="ngram_device", decode_inputs=mode)
+    kinds = []
+    call = eng.runner._call_decode
+
+    def spy(key, step, args, static):
+        inputs = next(a for a in args if isinstance(a, steps.DecodeInputs))
+        kinds.append(type(inputs.packed))
+        return call(key, step, args, static)
+
+    eng.runner._call_decode = spy
+    report = eng.warmup()
+    assert len(kinds) == len(report) * (2 if eng.runner.alternate_executables else 1) > 0
+    if mode == "every_step":
+        assert all(k is np.ndarray for k in kinds)
+    else:
+        assert all(issubclass(k, jax.Array) for k in kinds)
