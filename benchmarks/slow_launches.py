@@ -8,7 +8,7 @@ lock, an allocation; a voluntary context switch says the thread slept); one whos
 equals its wall time worked the whole time (a graph update, a collection). The log lines
 say which graphs XLA re-recorded inside it. With --warmup-first the engine's warm-up
 replaces the compiling run, so any trace or compilation in a timed launch is one that the
-warm-up missed.
+warm-up missed (--warmup-prefill: the prefill programs are part of the warm-up).
 
     python benchmarks/slow_launches.py --algo ngram_device --batch 32 --vlog --out slow.json
     python benchmarks/slow_launches.py --algo plain --batch 32 --finish-jitter 32 \
@@ -183,6 +183,8 @@ def main():
     ap.add_argument("--warmup-first", action="store_true",
                     help="Engine.warmup() for the batch size instead of a compiling run of the workload: do the "
                          "first timed launches after the warm-up trace or compile anything?")
+    ap.add_argument("--warmup-prefill", action="store_true",
+                    help="with --warmup-first: Engine.warmup(prefill=True), every prefill program compiled too")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.collect() and gc.freeze() after the compiling run (the engine freezes once built)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -229,7 +231,7 @@ def main():
     t = time.perf_counter()
     if args.warmup_first:  # the decode programs only: the first run compiles its prefills
         engine.runner.decode_inputs = args.variants[0]  # the warm-up passes inputs as the first run will
-        engine.warmup(batch_sizes=(pick(engine.runner.batch_buckets, args.batch),))
+        engine.warmup(batch_sizes=(pick(engine.runner.batch_buckets, args.batch),), prefill=args.warmup_prefill)
         print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
     else:
         run(seed=1)  # compiles every program the runs use

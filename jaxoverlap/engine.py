@@ -464,16 +464,22 @@ class Engine:
             "spec_paused_steps": s.num_paused_steps,  # decode steps above speculative_disable_by_batch_size
         }
 
-    def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int = 8) -> list[dict]:
+    def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int = 8,
+               prefill: bool = False) -> list[dict]:
         """Compile the decode programs before traffic arrives, by default every batch bucket
         at every context bucket, greedy (pass sampling=(False, True) for both programs), and
         run each once on padding rows, so that a program's first execution (XLA records its
         CUDA graph) does not fall on a served step either. Real rows are untouched, so it
-        may also run between steps while requests are in flight. Returns the compile and
-        run time of each program (ModelRunner.precompile)."""
+        may also run between steps while requests are in flight.
+
+        With `prefill`, every prefill program (each rows x tokens bucket) is compiled too,
+        before the runs: then no request compiles anything, and no compilation after the
+        warm-up makes XLA drop the decode programs' recorded graphs (it drops every
+        executable's graphs whenever it loads a new one). Returns the compile (and run) time
+        of each program (ModelRunner.precompile)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
-        compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads, execute=True)
+        compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads, execute=True, prefill=prefill)
         self._freeze_gc()  # the programs' own long-lived objects too
         return compiled
 

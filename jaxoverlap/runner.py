@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from jaxoverlap import steps
-from jaxoverlap.buckets import next_power_of_two, pick, powers_of_two_up_to
+from jaxoverlap.buckets import pick, powers_of_two_up_to
 from jaxoverlap.device_state import DeviceState
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, layers_per_stack
@@ -43,15 +43,16 @@ def batch_samples(batch: ScheduledBatch) -> bool:
     return any(row.req.params.temperature > 0 for row in batch.rows)
 
 
-def _sampling_arrays(batch: ScheduledBatch, num_rows: int):
-    """Per-row sampling params of a prefill batch, padded to num_rows: (temperature, top_k,
-    top_p, min_p, seed), which the prefill stores into each admitted request's relay entry."""
+def _sampling_arrays(rows, num_rows: int):
+    """Per-row sampling params of a prefill batch's rows, padded to num_rows: (temperature,
+    top_k, top_p, min_p, seed), which the prefill stores into each admitted request's relay
+    entry."""
     temperature = np.zeros((num_rows,), np.float32)
     top_k = np.zeros((num_rows,), np.int32)
     top_p = np.ones((num_rows,), np.float32)
     min_p = np.zeros((num_rows,), np.float32)
     seed = np.zeros((num_rows,), np.uint32)
-    for i, row in enumerate(batch.rows):
+    for i, row in enumerate(rows):
         p = row.req.params
         temperature[i], top_k[i], top_p[i], min_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.min_p, row.req.seed
     return temperature, top_k, top_p, min_p, seed
@@ -135,6 +136,16 @@ class ModelRunner:
         # 119 s -> 27 s on the H200). Measured cost: batch 1 steps at short contexts +5%
         # (empty splits), batch 32 none (benchmarks/RESULTS.md).
         self.decode_ctx_buckets = (table_width,) if attention_is_length_adaptive else self.ctx_buckets
+        # The same holds for prefill: ctx_len reaches only attention, and the Pallas prefill
+        # kernel streams each row's visible blocks (its block size is the same for every
+        # bucket >= 64), so one program per (rows, tokens) bucket serves every context:
+        # 7x fewer prefill programs to compile for a 4k table.
+        self.prefill_ctx_buckets = (table_width,) if attention_is_length_adaptive else self.ctx_buckets
+        # A prefill reserves at most every page of each of its rows (admission rewrites the
+        # whole row), so a fixed table of that size per row bucket keeps the reservations'
+        # count out of the program's shape: the warm-up can then compile every prefill
+        # program the engine will launch.
+        self.pages_per_row = table_width // page_size
         # A decode step reserves at most this many pages per row (two windows plus the
         # drafter's lookahead and the scheduler's slack, plus rounding), so its reservation
         # arrays have a fixed size per batch bucket.
@@ -142,7 +153,10 @@ class ModelRunner:
         self.decode_pages_per_row = -(-(2 * window + lookahead + reserve_slack) // page_size) + 1
         # Decode programs run as two loaded executables in turn (`_call_decode`).
         self.alternate_executables = alternate_executables
-        self._twins: dict[tuple, object] = {}  # program key -> second executable (None: cannot be copied)
+        # program key -> (compiled executable, its second copy or None where it cannot be copied)
+        self._executables: dict[tuple, tuple] = {}
+        # prefill program key -> executable compiled by `precompile(prefill=True)`
+        self._prefill_executables: dict[tuple, object] = {}
         self._turn: dict[tuple, bool] = {}  # program key -> whether its next launch takes the twin
         self.twin_launches = 0  # decode launches that ran the second executable
         # Start each step's copy to the host at launch (below). False leaves the copy to
@@ -166,7 +180,8 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.params = None
         self.inputs = self._rows_cache = self._layout_of = None
-        self._twins.clear()
+        self._executables.clear()
+        self._prefill_executables.clear()
 
     # -- array building ---------------------------------------------------------------------
     def _reservations(self, batch: ScheduledBatch, capacity: int) -> steps.Reservations:
@@ -178,7 +193,7 @@ class ModelRunner:
         return steps.Reservations(arr)
 
     def _ctx_len(self, batch: ScheduledBatch) -> int:
-        buckets = self.decode_ctx_buckets if batch.kind == "decode" else self.ctx_buckets
+        buckets = self.decode_ctx_buckets if batch.kind == "decode" else self.prefill_ctx_buckets
         return pick(buckets, min(batch.ctx_len, self.table_width))
 
     # -- launch -----------------------------------------------------------------------------
@@ -188,7 +203,7 @@ class ModelRunner:
 
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         if batch.kind == "prefill":
-            out = self._launch_spec_prefill(batch) if self.spec else self._launch_prefill(batch)
+            out = self._launch_prefill(batch)
         else:
             out = self._launch_decode(batch)
         # Start the copy now so that the host's later wait is for the step, not the copy. One
@@ -261,24 +276,32 @@ class ModelRunner:
     # launched, so one executable sees its output alternate between two addresses and updates
     # its graph on every call. Two copies of the executable used in turn each find their
     # output where they left it two steps before (measured: benchmarks/RESULTS.md).
-    def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool) -> tuple:
-        # The weights' layout too: a benchmark may swap `params` for another layout.
+    def _layout_key(self) -> tuple:
+        # The weights' layout: a benchmark may swap `params` for another layout.
         if self._layout_of is None or self._layout_of[0] is not self.params:
             self._layout_of = (self.params, (layers_per_stack(self.params), type(self.params.layers)))
-        return (B, host_drafts, ctx_len, sampling, draft, self.attention, self._layout_of[1])
+        return self._layout_of[1]
+
+    def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool) -> tuple:
+        return (B, host_drafts, ctx_len, sampling, draft, self.attention, self._layout_key())
 
     def _call_decode(self, key: tuple, step, args, static):
         if not self.alternate_executables:
             return step(*args, **static)
-        if key not in self._twins:  # jit's own cache entry: compiles at most once
-            self._twins[key] = self._copy_executable(step.lower(*args, **static).compile())
-        twin = self._twins[key]
+        pair = self._executables.get(key)
+        if pair is None:
+            compiled = step.lower(*args, **static).compile()
+            pair = self._executables[key] = (compiled, self._copy_executable(compiled))
+        compiled, twin = pair
         use_twin = twin is not None and self._turn.get(key, False)
         self._turn[key] = not use_twin
         if use_twin:
             self.twin_launches += 1
             return twin(*args)  # static arguments are part of the compiled program
-        return step(*args, **static)
+        # The compiled executable, not jit's call path: on the H200, the first jit call after
+        # an ahead-of-time compile of its program sometimes traced and compiled it once more
+        # (benchmarks/RESULTS.md, 2026-12-04, sixth session). A compiled executable never does.
+        return compiled(*args)
 
     def _copy_executable(self, compiled):
         """A second loaded copy of a compiled program: serialized and loaded again, so it
@@ -324,46 +347,68 @@ class ModelRunner:
 
     # -- ahead-of-time compilation -----------------------------------------------------------
     def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int = 8,
-                   execute: bool = False) -> list[dict]:
+                   execute: bool = False, prefill: bool = False) -> list[dict]:
         """Compile the decode programs (plain or speculative) of these buckets before they
         are needed: by default every batch bucket at every decode context bucket, greedy.
+        With `prefill`, also every prefill program: each (rows, tokens) bucket at each
+        prefill context bucket, with the same `sampling` flags.
 
         `threads` programs compile at once: XLA compiles outside the GIL, so on a machine
         with many cores this divides the wall time. `jit(...).lower(...).compile()` leaves
         the executable in jit's own cache, so the first launch of those shapes does not
         compile again; with `compilation_cache_dir` set, a restarted process loads them
-        from disk instead of compiling. With `execute`, each program then runs once on
-        padding rows (`_run_padding_step`). Returns one {batch, ctx_len, sampling, draft,
-        seconds} per program, with `run_seconds` when executed."""
+        from disk instead of compiling. With `execute`, each decode program then runs once
+        on padding rows (`_run_padding_step`), after every compilation: loading a new
+        executable makes XLA drop the CUDA graphs recorded for all others (its command
+        buffer eviction), so a program compiled after the runs would undo them.
+
+        Returns one {program, ..., seconds} per program: decode rows name batch, ctx_len,
+        sampling, draft (and run_seconds when executed); prefill rows name rows, tokens,
+        ctx_len, sampling."""
         from concurrent.futures import ThreadPoolExecutor
 
         import jax
 
-        jobs = [(B, ctx, bool(s), d) for B in (batch_sizes or self.batch_buckets)
+        jobs = [("decode", B, ctx, bool(s), d) for B in (batch_sizes or self.batch_buckets)
                 for ctx in (ctx_lens or self.decode_ctx_buckets) for s in sampling for d in self.decode_variants(B)]
+        if prefill:
+            jobs += [("prefill", R, T, ctx, bool(s)) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
+                     for ctx in self.prefill_ctx_buckets for s in sampling]
 
-        def compile_one(job):
-            B, ctx, s, draft = job
+        def compile_decode(B, ctx, s, draft):
             empty = steps.DecodeInputs.empty(B, self._decode_res_capacity(B))
             host = self._no_host_drafts(B) if draft else None
             # Placed as launch places them (DeviceInputs), so that both meet in one cache entry.
             put = functools.partial(jax.device_put, device=self.inputs.sharding)
-            t = time.perf_counter()
             inputs = steps.DecodeInputs(put(empty.packed), batch=B)
             step, args, static = self._decode_program(inputs, host, ctx, s, draft)
             compiled = step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs or is donated
             if self.alternate_executables:
                 key = self._program_key(B, host is not None, ctx, s, draft)
-                self._twins[key] = self._copy_executable(compiled)
-            return {"batch": B, "ctx_len": ctx, "sampling": s, "draft": draft, "seconds": time.perf_counter() - t}
+                self._executables[key] = (compiled, self._copy_executable(compiled))
+            return {"program": "decode", "batch": B, "ctx_len": ctx, "sampling": s, "draft": draft}
+
+        def compile_prefill(R, T, ctx, s):
+            # Numpy, as a prefill launch passes its inputs.
+            inp = self._prefill_inputs([], R, T)
+            res = steps.Reservations.empty(self._prefill_res_capacity(R))
+            step, args, static = self._prefill_program(inp, res, ctx, s)
+            self._prefill_executables[self._prefill_key(R, T, ctx, s)] = step.lower(*args, **static).compile()
+            return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx, "sampling": s}
+
+        def compile_one(job):
+            t = time.perf_counter()
+            row = compile_decode(*job[1:]) if job[0] == "decode" else compile_prefill(*job[1:])
+            return dict(row, seconds=time.perf_counter() - t)
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             report = list(pool.map(compile_one, jobs))
         if execute:  # in order, on this thread: each run takes the state the one before returned
             for row in report:
-                t = time.perf_counter()
-                self._run_padding_step(row["batch"], row["ctx_len"], row["sampling"], row["draft"])
-                row["run_seconds"] = time.perf_counter() - t
+                if row["program"] == "decode":
+                    t = time.perf_counter()
+                    self._run_padding_step(row["batch"], row["ctx_len"], row["sampling"], row["draft"])
+                    row["run_seconds"] = time.perf_counter() - t
             jax.block_until_ready(self.state)
         return report
 
@@ -391,52 +436,68 @@ class ModelRunner:
             step, args, static = self._decode_program(inputs, host, ctx_len, sampling, draft)  # today's state
             self.state, _ = self._call_decode(key, step, args, static)
 
-    def _launch_spec_prefill(self, batch: ScheduledBatch):
-        from jaxoverlap.speculative.step import SpecPrefillInputs, spec_prefill_step
+    # -- prefill ------------------------------------------------------------------------------
+    def _prefill_shape(self, batch: ScheduledBatch) -> tuple[int, int]:
+        """(rows, tokens) bucket of a prefill batch. The speculative prefill's token axis
+        holds one more column: the token before the chunk."""
+        lead = 1 if self.spec else 0
+        return (pick(self.prefill_row_buckets, batch.size),
+                pick(self.prefill_len_buckets, lead + max(row.length for row in batch.rows)))
 
-        R = pick(self.prefill_row_buckets, batch.size)
-        # Column 0 of each row is the token before the chunk (read, not written, by the target).
-        T = pick(self.prefill_len_buckets, 1 + max(row.length for row in batch.rows))
+    def _prefill_res_capacity(self, R: int) -> int:
+        return R * self.pages_per_row
+
+    def _prefill_key(self, R: int, T: int, ctx_len: int, sampling: bool) -> tuple:
+        return (R, T, ctx_len, sampling, self.attention, self._layout_key())
+
+    def _launch_prefill(self, batch: ScheduledBatch) -> steps.StepOutput:
+        R, T = self._prefill_shape(batch)
+        ctx_len, sampling = self._ctx_len(batch), batch_samples(batch)
+        inp = self._prefill_inputs(batch.rows, R, T)
+        res = self._reservations(batch, self._prefill_res_capacity(R))
+        step, args, static = self._prefill_program(inp, res, ctx_len, sampling)
+        # A program the warm-up compiled runs as that executable (see `_call_decode` for why
+        # not through jit); any other compiles on its first launch.
+        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, sampling))
+        self.state, out = compiled(*args) if compiled is not None else step(*args, **static)
+        return out
+
+    def _prefill_inputs(self, rows, R: int, T: int):
+        """The host arrays of a prefill of these rows, padded to R rows of T tokens (rows=[]
+        gives the padding of a warm-up compile)."""
         tokens = np.zeros((R, T), np.int32)
         starts = np.zeros((R,), np.int32)
         lens = np.zeros((R,), np.int32)
         entries = np.zeros((R,), np.int32)
+        if self.spec is None:
+            for i, row in enumerate(rows):
+                req = row.req
+                tokens[i, : row.length] = req.fill_ids[row.start : row.start + row.length]
+                starts[i], lens[i], entries[i] = row.start, row.length, req.entry
+            return steps.PrefillInputs(tokens, starts, lens, entries, *_sampling_arrays(rows, R))
+        from jaxoverlap.speculative.step import SpecPrefillInputs
+
         is_last = np.zeros((R,), bool)
         given = np.zeros((R,), np.int32)
         has_given = np.zeros((R,), bool)
-        for i, row in enumerate(batch.rows):
+        for i, row in enumerate(rows):
             req = row.req
+            # Column 0 of each row is the token before the chunk (read, not written, by the target).
             tokens[i, 1 : 1 + row.length] = req.fill_ids[row.start : row.start + row.length]
             if row.start > 0:
                 tokens[i, 0] = req.fill_ids[row.start - 1]
             if row.is_last and req.resume_token is not None:
                 given[i], has_given[i] = req.resume_token, True
             starts[i], lens[i], entries[i], is_last[i] = row.start, row.length, req.entry, row.is_last
-        inp = SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, *_sampling_arrays(batch, R))
-        res = self._reservations(batch, next_power_of_two(len(batch.reservations), minimum=8))
-        self.state, out = spec_prefill_step(
-            self.params, self.drafter.params, self.state, inp, res,
-            cfg=self.model_cfg, spec=self.spec, ctx_len=self._ctx_len(batch), page_size=self.page_size,
-            attention=self.attention, sampling=batch_samples(batch),
-        )
-        return out
+        return SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, *_sampling_arrays(rows, R))
 
-    def _launch_prefill(self, batch: ScheduledBatch) -> steps.StepOutput:
-        R = pick(self.prefill_row_buckets, batch.size)
-        Q = pick(self.prefill_len_buckets, max(row.length for row in batch.rows))
-        tokens = np.zeros((R, Q), np.int32)
-        starts = np.zeros((R,), np.int32)
-        lens = np.zeros((R,), np.int32)
-        entries = np.zeros((R,), np.int32)
-        for i, row in enumerate(batch.rows):
-            req = row.req
-            tokens[i, : row.length] = req.fill_ids[row.start : row.start + row.length]
-            starts[i], lens[i], entries[i] = row.start, row.length, req.entry
-        inp = steps.PrefillInputs(tokens, starts, lens, entries, *_sampling_arrays(batch, R))
-        res = self._reservations(batch, next_power_of_two(len(batch.reservations), minimum=8))
-        self.state, out = steps.prefill_step(
-            self.params, self.state, inp, res,
-            cfg=self.model_cfg, ctx_len=self._ctx_len(batch), page_size=self.page_size, attention=self.attention,
-            sampling=batch_samples(batch),
-        )
-        return out
+    def _prefill_program(self, inp, res: steps.Reservations, ctx_len: int, sampling: bool):
+        """(jitted step, arguments, static arguments) of one prefill launch; `launch` and
+        `precompile` both build their call here, so that they meet in one jit cache entry."""
+        static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
+                      sampling=sampling)
+        if self.spec is None:
+            return steps.prefill_step, (self.params, self.state, inp, res), static
+        from jaxoverlap.speculative.step import spec_prefill_step
+
+        return spec_prefill_step, (self.params, self.drafter.params, self.state, inp, res), dict(static, spec=self.spec)

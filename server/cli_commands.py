@@ -62,8 +62,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--shutdown-grace", type=float, default=30.0,
          help="seconds to let in-flight requests finish on SIGTERM/SIGINT (default 30)")
     _add(g, "--no-warmup", action="store_true", help="skip the compile warmup request before serving")
-    _add(g, "--precompile", choices=("auto", "on", "off"), default="auto",
-         help="compile every decode batch bucket before serving (auto: on GPU only)")
+    _add(g, "--precompile", choices=("auto", "on", "all", "off"), default="auto",
+         help="compile every decode batch bucket before serving (auto: on GPU only); all: every prefill "
+              "bucket too, so that no request compiles")
     return parser
 
 
@@ -94,7 +95,7 @@ def run_serve(args, engine_options: dict) -> int:
 
         precompile = "on" if jax.default_backend() == "gpu" else "off"
     worker = EngineWorker(engine_factory=build, warmup=not getattr(args, "no_warmup", False),
-                          precompile=precompile == "on")
+                          precompile=precompile in ("on", "all"), precompile_prefill=precompile == "all")
     t0 = time.perf_counter()
     print(f"loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
     worker.start()

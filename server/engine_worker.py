@@ -75,17 +75,19 @@ class EngineWorker:
 
     `warmup` (True or a SamplingParams-like max_new_tokens count) runs one short request through
     the engine before `start()` returns, so that the first client does not pay for compilation.
-    `precompile` also compiles every decode batch bucket (Engine.warmup) before then.
+    `precompile` also compiles every decode batch bucket (Engine.warmup) before then, and
+    `precompile_prefill` every prefill bucket with them.
     """
 
     def __init__(self, engine=None, *, engine_factory: Callable[[], Any] | None = None, warmup: bool = False,
-                 precompile: bool = False, name: str = "jaxoverlap-engine"):
+                 precompile: bool = False, precompile_prefill: bool = False, name: str = "jaxoverlap-engine"):
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine and engine_factory")
         self._engine = engine
         self._factory = engine_factory
         self._warmup = warmup
         self._precompile = precompile  # Engine.warmup(): every decode batch bucket, before serving
+        self._precompile_prefill = precompile_prefill  # Engine.warmup(prefill=True)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request_id -> (loop, sink); touched only on the worker thread.
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}
@@ -186,8 +188,8 @@ class EngineWorker:
                 self._run_warmup()
             if self._precompile:
                 t = time.perf_counter()
-                n = len(self._engine.warmup())
-                logger.info("compiled %d decode programs in %.1f s", n, time.perf_counter() - t)
+                n = len(self._engine.warmup(prefill=self._precompile_prefill))
+                logger.info("compiled %d programs in %.1f s", n, time.perf_counter() - t)
         except BaseException as e:  # noqa: BLE001 - reported to start()
             self._start_error = e
             self._ready.set()

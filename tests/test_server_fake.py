@@ -476,16 +476,19 @@ def test_auth_token_file(tmp_path):
 def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
     engine = _fake()
     seen = []
-    engine.warmup = lambda: seen.append(threading.current_thread().name) or [{"batch": 1}]
+    engine.warmup = lambda prefill: seen.append((threading.current_thread().name, prefill)) or [{"batch": 1}]
     worker = EngineWorker(engine, precompile=True, name="engine-thread-under-test").start()
     try:
-        assert seen == ["engine-thread-under-test"]
+        assert seen == [("engine-thread-under-test", False)]
     finally:
         worker.stop()
+    # --precompile all: the prefill programs too.
+    EngineWorker(engine, precompile=True, precompile_prefill=True, name="t2").start().stop()
+    assert seen[-1] == ("t2", True)
     plain = _fake()
-    plain.warmup = lambda: seen.append("unexpected") or []
+    plain.warmup = lambda prefill: seen.append("unexpected") or []
     EngineWorker(plain).start().stop()
-    assert seen == ["engine-thread-under-test"]
+    assert seen[-1] == ("t2", True)
 
 
 def test_stop_closes_an_engine_the_worker_built_and_only_that():

@@ -148,14 +148,14 @@ def test_two_executables_in_turn_give_the_outputs_of_one(greedy):
         results[alternate] = {k: v.token_ids for k, v in finals.items()}
         r = eng.runner
         if alternate:
-            programs = [k for k, twin in r._twins.items() if twin is not None]
+            programs = [k for k, (_, twin) in r._executables.items() if twin is not None]
             assert len(programs) >= 2, "the workload should use several decode programs"
-            # Each program alternates, starting with the jit executable: the twin ran at
-            # most one launch fewer than it, per program.
+            # Each program alternates, starting with the compiled executable: the twin ran
+            # at most one launch fewer than it, per program.
             launches = _decode_launches(eng)
             assert launches - len(programs) <= 2 * r.twin_launches <= launches
         else:
-            assert r.twin_launches == 0 and not r._twins
+            assert r.twin_launches == 0 and not r._executables
     assert results[True] == results[False]
 
 
@@ -178,7 +178,7 @@ def test_warmup_loads_the_twin_of_each_program_and_runs_both():
     report = eng.warmup()
     r = eng.runner
     keys = {r._program_key(x["batch"], False, x["ctx_len"], x["sampling"], x["draft"]) for x in report}
-    assert keys <= set(r._twins) and all(r._twins[k] is not None for k in keys)
+    assert keys <= set(r._executables) and all(r._executables[k][1] is not None for k in keys)
     assert r.twin_launches == len(report) and all(x["run_seconds"] > 0 for x in report)
 
 

@@ -168,3 +168,74 @@ def test_warmup_runs_programs_with_the_input_kind_the_engine_launches_with(mode)
         assert all(k is np.ndarray for k in kinds)
     else:
         assert all(issubclass(k, jax.Array) for k in kinds)
+
+
+def _prefill_workload():
+    """Prompts of several lengths (one longer than a chunk), alone and two at a time, one
+    repeated so that it hits the prefix cache: prefills of every row and token bucket, with
+    different numbers of reservations."""
+    p = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    long = [(7 * i) % 90 + 1 for i in range(40)]
+    return {0: [("a", [5, 6, 7], p)], 3: [("b", long, p), ("c", [9] * 20, p)], 12: [("d", long, p)]}
+
+
+@pytest.mark.parametrize("algo", [None, "ngram_device"])
+def test_warmup_with_prefill_leaves_nothing_to_compile(algo):
+    """warmup(prefill=True) also compiles every prefill program (each rows x tokens bucket;
+    the reservations table has a fixed size per rows bucket, so their count is no part of
+    the shape): requests of any prompt length, batched or alone, prefix hits included,
+    then compile nothing. The same workload without it does compile (the check can fail)."""
+    spec = {"speculative_algorithm": algo} if algo else {}
+    opts = dict(batch_buckets=(4,), max_context_len=64, max_prefill_requests=2, chunked_prefill_size=32, **spec)
+    # Model shapes no other test uses, so that jit's in-process cache holds none of their programs.
+    counts = {}
+    for hidden, prefill in ((40, False), (56, True)):
+        eng = make_engine(tiny_config(hidden_size=hidden), **opts)
+        report = eng.warmup(prefill=prefill)
+        r = eng.runner
+        pre = [x for x in report if x["program"] == "prefill"]
+        assert sorted((x["rows"], x["tokens"], x["ctx_len"]) for x in pre) == sorted(
+            (R, T, c) for R in r.prefill_row_buckets for T in r.prefill_len_buckets for c in r.prefill_ctx_buckets
+        ) if prefill else not pre
+        calls = []
+        if prefill:  # the prefills run as the executables the warm-up compiled, not through jit
+            assert len(r._prefill_executables) == len(pre)
+            r._prefill_executables = {k: (lambda *a, _c=c, _k=k: calls.append(_k) or _c(*a))
+                                      for k, c in r._prefill_executables.items()}
+        COUNTER.active, COUNTER.count = True, 0
+        try:
+            finals = run_workload(eng, _prefill_workload())
+        finally:
+            COUNTER.active = False
+        assert len(calls) == (sum(t.kind == "prefill" for t in eng.timings) if prefill else 0)
+        assert sorted(finals) == ["a", "b", "c", "d"] and all(len(f.token_ids) == 4 for f in finals.values())
+        assert finals["d"].metrics.cached_prompt_tokens > 0  # "d" repeats "b": a prefix hit
+        sizes = {t.batch_size for t in eng.timings if t.kind == "prefill"}
+        assert sizes == {1, 2}, sizes
+        counts[prefill] = COUNTER.count
+    assert counts[False] > 0, "the workload compiles nothing without the prefill warm-up: the check cannot fail"
+    assert counts[True] == 0, f"{counts[True]} programs compiled after warmup(prefill=True)"
+
+
+def test_prefill_programs_serve_every_context_with_length_adaptive_attention():
+    """With the Pallas kernels (length-adaptive), a prefill's program does not depend on its
+    context: every prefill batch launches at the table's width. The XLA gather path keeps
+    the context buckets. Both give the same greedy tokens."""
+    from jaxoverlap.scheduler import BatchRow, ScheduledBatch
+
+    outs = {}
+    for backend in ("xla", "pallas"):
+        eng = make_engine(attention_backend=backend, max_context_len=128, batch_buckets=(2,))
+        r = eng.runner
+
+        class Req:  # only what _ctx_len reads
+            pass
+
+        short = ScheduledBatch("prefill", [BatchRow(Req(), 0, start=0, length=5, is_last=True)], [], 5)
+        want = r.table_width if backend == "pallas" else r.ctx_buckets[0]
+        assert r._ctx_len(short) == want
+        assert (len(r.prefill_ctx_buckets) == 1) == (backend == "pallas")
+        p = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        finals = run_workload(eng, {0: [("a", [3, 4, 5], p), ("b", list(range(1, 40)), p)]})
+        outs[backend] = {k: v.token_ids for k, v in finals.items()}
+    assert outs["xla"] == outs["pallas"]

@@ -1,0 +1,96 @@
+"""Does a prefill program compiled for the table's width run as fast as one compiled for
+the prompt's context bucket? (issue 4)
+
+With the Pallas kernels the engine launches every prefill at the table's width (one
+program per rows x tokens bucket instead of one per context bucket too; runner.py). The
+prefill kernel streams each row's visible blocks only, so the device time should not
+move. This times back-to-back prefill steps of Qwen3-8B shapes (dummy weights) for a few
+(rows, tokens) shapes at both context lengths, in one process, and reports each one's
+compile time. Prints a table, writes JSON.
+
+    python benchmarks/prefill_ctx_bench.py --out prefill_ctx.json
+    python benchmarks/prefill_ctx_bench.py --tiny          # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import QWEN3_8B, TINY, ensure_importable, git_commit, model_dir, print_table  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["1x128", "1x1024", "4x256"],
+                    help="rows x tokens of each prefill")
+    ap.add_argument("--max-context-len", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default="prefill_ctx.json")
+    args = ap.parse_args()
+    ensure_importable()
+    import jax
+    import numpy as np
+
+    from jaxoverlap import steps
+    from jaxoverlap.buckets import pick
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    max_rows = max(R for R, _ in shapes)
+    engine = Engine(EngineConfig(
+        model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy",
+        dtype="float32" if args.tiny else "bfloat16", max_running_requests=max(8, max_rows),
+        max_context_len=args.max_context_len, kv_cache_tokens=max_rows * args.max_context_len, page_size=16,
+        max_prefill_requests=max_rows, chunked_prefill_size=max(T for _, T in shapes), disable_prefix_cache=True,
+        attention_backend="pallas" if not args.tiny else "auto",
+    ))
+    r = engine.runner
+    rng = np.random.default_rng(0)
+    rows = []
+    for R, T in shapes:
+        inp = r._prefill_inputs([], R, T)
+        inp.tokens[:] = rng.integers(0, engine.model_config.vocab_size, inp.tokens.shape)
+        inp.chunk_lens[:] = T
+        inp.entries[:] = np.arange(1, R + 1)
+        # Distinct pages for every row's positions, as a real prefill has: writes to one
+        # shared slot would serialize the cache's scatter and hide the attention's time.
+        n = -(-T // r.page_size)
+        table = np.zeros((3, r._prefill_res_capacity(R)), np.int32)
+        table[:, : R * n] = [np.repeat(np.arange(1, R + 1), n), np.tile(np.arange(n), R), 1 + np.arange(R * n)]
+        res = steps.Reservations(table)
+        row = {"rows": R, "tokens": T}
+        for name, ctx in (("bucket", pick(r.ctx_buckets, T)), ("table", r.table_width)):
+            step, a, static = r._prefill_program(inp, res, ctx, False)
+            t = time.perf_counter()
+            r.state, out = step(*a, **static)
+            jax.block_until_ready(out.packed)
+            row[f"{name}_ctx"] = ctx
+            row[f"{name}_compile_s"] = time.perf_counter() - t
+            times = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                _, a, _ = r._prefill_program(inp, res, ctx, False)
+                r.state, out = step(*a, **static)
+                jax.block_until_ready(out.packed)
+                times.append(time.perf_counter() - t)
+            row[f"{name}_ms"] = float(np.median(times)) * 1e3
+        row["table_over_bucket"] = row["table_ms"] / row["bucket_ms"]
+        rows.append(row)
+        print_table([row], list(row))
+    print_table(rows, list(rows[0]))
+    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
+           "commit": git_commit(), "args": vars(args), "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
