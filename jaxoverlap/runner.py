@@ -153,7 +153,8 @@ class ModelRunner:
         self.decode_pages_per_row = -(-(2 * window + lookahead + reserve_slack) // page_size) + 1
         # Decode programs run as two loaded executables in turn (`_call_decode`).
         self.alternate_executables = alternate_executables
-        # program key -> (compiled executable, its second copy or None where it cannot be copied)
+        # decode program key -> (compiled executable, its second copy: None with one
+        # executable or where it cannot be copied)
         self._executables: dict[tuple, tuple] = {}
         # prefill program key -> executable compiled by `precompile(prefill=True)`
         self._prefill_executables: dict[tuple, object] = {}
@@ -162,6 +163,9 @@ class ModelRunner:
         # Start each step's copy to the host at launch (below). False leaves the copy to
         # `fetch`, which then copies synchronously once the step is done (benchmarks compare).
         self.start_host_copy = True
+        # False sends the first executable's turns through jit's call path instead of the
+        # compiled executable (`_call_decode`; benchmarks compare the two).
+        self.launch_compiled = True
         # How a decode launch sends its one input array (EngineConfig.decode_inputs):
         # "every_step" or "on_change".
         self.decode_inputs = decode_inputs
@@ -286,14 +290,14 @@ class ModelRunner:
         return (B, host_drafts, ctx_len, sampling, draft, self.attention, self._layout_key())
 
     def _call_decode(self, key: tuple, step, args, static):
-        if not self.alternate_executables:
-            return step(*args, **static)
         pair = self._executables.get(key)
         if pair is None:
+            if not self.alternate_executables:
+                return step(*args, **static)  # jit compiles it at its first launch
             compiled = step.lower(*args, **static).compile()
             pair = self._executables[key] = (compiled, self._copy_executable(compiled))
         compiled, twin = pair
-        use_twin = twin is not None and self._turn.get(key, False)
+        use_twin = self.alternate_executables and twin is not None and self._turn.get(key, False)
         self._turn[key] = not use_twin
         if use_twin:
             self.twin_launches += 1
@@ -301,7 +305,7 @@ class ModelRunner:
         # The compiled executable, not jit's call path: on the H200, the first jit call after
         # an ahead-of-time compile of its program sometimes traced and compiled it once more
         # (benchmarks/RESULTS.md, 2026-12-04, sixth session). A compiled executable never does.
-        return compiled(*args)
+        return compiled(*args) if self.launch_compiled else step(*args, **static)
 
     def _copy_executable(self, compiled):
         """A second loaded copy of a compiled program: serialized and loaded again, so it
@@ -354,10 +358,10 @@ class ModelRunner:
         prefill context bucket, with the same `sampling` flags.
 
         `threads` programs compile at once: XLA compiles outside the GIL, so on a machine
-        with many cores this divides the wall time. `jit(...).lower(...).compile()` leaves
-        the executable in jit's own cache, so the first launch of those shapes does not
-        compile again; with `compilation_cache_dir` set, a restarted process loads them
-        from disk instead of compiling. With `execute`, each decode program then runs once
+        with many cores this divides the wall time. The runner keeps each compiled
+        executable and launches it (not through jit, see `_call_decode`), so the first
+        launch of those shapes compiles nothing; with `compilation_cache_dir` set, a
+        restarted process loads them from disk instead of compiling. With `execute`, each decode program then runs once
         on padding rows (`_run_padding_step`), after every compilation: loading a new
         executable makes XLA drop the CUDA graphs recorded for all others (its command
         buffer eviction), so a program compiled after the runs would undo them.
@@ -383,9 +387,8 @@ class ModelRunner:
             inputs = steps.DecodeInputs(put(empty.packed), batch=B)
             step, args, static = self._decode_program(inputs, host, ctx, s, draft)
             compiled = step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs or is donated
-            if self.alternate_executables:
-                key = self._program_key(B, host is not None, ctx, s, draft)
-                self._executables[key] = (compiled, self._copy_executable(compiled))
+            twin = self._copy_executable(compiled) if self.alternate_executables else None
+            self._executables[self._program_key(B, host is not None, ctx, s, draft)] = (compiled, twin)
             return {"program": "decode", "batch": B, "ctx_len": ctx, "sampling": s, "draft": draft}
 
         def compile_prefill(R, T, ctx, s):

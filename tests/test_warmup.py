@@ -45,6 +45,10 @@ def test_warmup_leaves_nothing_to_compile(algo):
     r = eng.runner
     assert {(x["batch"], x["ctx_len"]) for x in report} == {(b, c) for b in r.batch_buckets for c in r.decode_ctx_buckets}
     assert len(report) >= 2 and all(x["seconds"] > 0 for x in report)
+    # The decode steps run as the executables the warm-up compiled (one each on the CPU),
+    # not through jit's call path.
+    calls = []
+    r._executables = {k: (lambda *a, _c=c: calls.append(1) or _c(*a), twin) for k, (c, twin) in r._executables.items()}
     COUNTER.active, COUNTER.count = True, 0
     try:
         finals = run_workload(eng, {0: [(f"r{i}", [5, 6, 7, 8, 9], params) for i in range(3)]})
@@ -52,6 +56,7 @@ def test_warmup_leaves_nothing_to_compile(algo):
         COUNTER.active = False
     assert all(len(f.token_ids) == 6 for f in finals.values())
     assert COUNTER.count == 0, f"{COUNTER.count} programs compiled after the warm-up"
+    assert len(calls) == sum(t.kind == "decode" for t in eng.timings) > 0
 
 
 def test_the_check_can_fail():
