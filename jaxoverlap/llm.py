@@ -37,7 +37,8 @@ class LLM:
         return self.engine.tokenizer
 
     def warmup(self, batch_sizes=None, ctx_lens=None, **kw) -> list[dict]:
-        """Compile the decode programs ahead of the first generate (Engine.warmup)."""
+        """Compile the decode programs ahead of the first generate, and with prefill=True every
+        prefill program too (Engine.warmup)."""
         return self.engine.warmup(batch_sizes, ctx_lens, **kw)
 
     def _submit(self, prompts, sampling_params) -> list[str]:

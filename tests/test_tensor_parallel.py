@@ -43,6 +43,10 @@ def test_tp_greedy_matches_single_device():
             assert got["qkv_shards"] == tp, "wqkv is not in the per-shard layout"
             assert got["tokens"] == ref["tokens"], f"{algo} TP={tp} differs from TP=1"
     assert out["None-1"]["retractions"] > 0, "the workload should force retraction"
+    warm = out["warm-2"]  # after warmup(prefill=True): the compiled executables under the mesh
+    assert warm["tokens"] == out["None-1"]["tokens"]
+    assert warm["prefill_executables"] > 0 and warm["decode_executables"] > 0
+    assert warm["programs"] == warm["prefill_executables"] + warm["decode_executables"]
     # Asked to stack the layer matrices, one device does; a mesh keeps them per layer.
     assert out["None-1"]["stacked"] and not out["None-2"]["stacked"]
     # Greedy speculative decoding gives plain decoding's tokens, so both compare to TP=1 plain.
