@@ -201,6 +201,7 @@ def test_helpers_and_loading(tmp_path):
     assert trace.normalize_program("jit_decode_step") == "decode_step"
     assert trace.normalize_program("PjitFunction(decode_step)") == "decode_step"
     assert trace.normalize_program("jit_decode_step(42)") == "decode_step"
+    assert trace.normalize_program("PjitFunction(jit(decode_step))") == "decode_step"  # a compiled executable's call
     d = tmp_path / "plugins" / "profile" / "run1"
     d.mkdir(parents=True)
     with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:

@@ -181,10 +181,14 @@ def name_period(names: list[str]) -> int | None:
 
 
 def normalize_program(name: str | None) -> str | None:
-    """`jit_decode_step`, `PjitFunction(decode_step)`, `jit_decode_step(123)` -> `decode_step`."""
+    """`jit_decode_step`, `PjitFunction(decode_step)`, `jit_decode_step(123)`, and
+    `PjitFunction(jit(decode_step))` (a call of the compiled executable) -> `decode_step`."""
     if not name:
         return None
     m = re.fullmatch(r"PjitFunction\((.*)\)", name)
+    if m:
+        name = m.group(1)
+    m = re.fullmatch(r"jit\((.*)\)", name)
     if m:
         name = m.group(1)
     name = re.sub(r"\(\d+\)$", "", name)  # trace-viewer module rows append the program id
