@@ -198,10 +198,9 @@ def test_warmup_with_prefill_leaves_nothing_to_compile(algo):
         eng = make_engine(tiny_config(hidden_size=hidden), **opts)
         report = eng.warmup(prefill=prefill)
         r = eng.runner
-        pre = [x for x in report if x["program"] == "prefill"]
-        assert sorted((x["rows"], x["tokens"], x["ctx_len"]) for x in pre) == sorted(
-            (R, T, c) for R in r.prefill_row_buckets for T in r.prefill_len_buckets for c in r.prefill_ctx_buckets
-        ) if prefill else not pre
+        pre = sorted((x["rows"], x["tokens"], x["ctx_len"]) for x in report if x["program"] == "prefill")
+        every = [(R, T, c) for R in r.prefill_row_buckets for T in r.prefill_len_buckets for c in r.prefill_ctx_buckets]
+        assert pre == (sorted(every) if prefill else [])
         calls = []
         if prefill:  # the prefills run as the executables the warm-up compiled, not through jit
             assert len(r._prefill_executables) == len(pre)
@@ -232,11 +231,7 @@ def test_prefill_programs_serve_every_context_with_length_adaptive_attention():
     for backend in ("xla", "pallas"):
         eng = make_engine(attention_backend=backend, max_context_len=128, batch_buckets=(2,))
         r = eng.runner
-
-        class Req:  # only what _ctx_len reads
-            pass
-
-        short = ScheduledBatch("prefill", [BatchRow(Req(), 0, start=0, length=5, is_last=True)], [], 5)
+        short = ScheduledBatch("prefill", [BatchRow(None, 0, start=0, length=5, is_last=True)], [], 5)  # ctx_len 5
         want = r.table_width if backend == "pallas" else r.ctx_buckets[0]
         assert r._ctx_len(short) == want
         assert (len(r.prefill_ctx_buckets) == 1) == (backend == "pallas")
