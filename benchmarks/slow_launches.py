@@ -229,7 +229,7 @@ def main():
     jax_events = []
     jax.monitoring.register_event_duration_secs_listener(jax_event_recorder(jax_events))
     t = time.perf_counter()
-    if args.warmup_first:  # the decode programs only: the first run compiles its prefills
+    if args.warmup_first:  # the decode programs; the first run compiles its prefills unless --warmup-prefill
         engine.runner.decode_inputs = args.variants[0]  # the warm-up passes inputs as the first run will
         engine.warmup(batch_sizes=(pick(engine.runner.batch_buckets, args.batch),), prefill=args.warmup_prefill)
         print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
