@@ -82,6 +82,20 @@ def git_commit() -> str:
         return ""
 
 
+def write_results(path: str, args, rows: list[dict], **extra) -> None:
+    """The JSON a benchmark writes: the device, versions, the checkout's commit, its
+    arguments and rows, plus any extra fields."""
+    import platform
+
+    import jax
+
+    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
+           "commit": git_commit(), "args": vars(args), "rows": rows, **extra}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import os
-import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, ensure_importable, git_commit, model_dir, print_table  # noqa: E402
+from common import QWEN3_8B, TINY, ensure_importable, model_dir, print_table, write_results  # noqa: E402
 
 
 def main():
@@ -123,11 +121,7 @@ def main():
         for line in diff[:40]:
             print("  " + line[:300])
         engine.close()
-    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
-           "commit": git_commit(), "args": vars(args), "rows": rows, "lowering_diffs": diffs}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, args, rows, lowering_diffs=diffs)
 
 
 if __name__ == "__main__":

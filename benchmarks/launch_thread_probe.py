@@ -26,16 +26,14 @@ timed on its thread, and the back-to-back device step. Prints a table, writes JS
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import queue
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, ensure_importable, git_commit, median, model_dir, print_table  # noqa: E402
+from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_table, write_results  # noqa: E402
 
 MODES = ("inline", "thread", "thread_si")
 
@@ -200,11 +198,7 @@ def main():
     cols = ["layers", "batch", "host_work_ms", "mode", "device_step_ms", "period_ms", "period_p90_ms", "work_ms",
             "launch_ms", "handoff_ms", "wait_ms"]
     print_table(rows, cols)
-    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
-           "commit": git_commit(), "args": vars(args), "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, args, rows)
 
 
 if __name__ == "__main__":

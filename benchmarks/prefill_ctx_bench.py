@@ -14,14 +14,12 @@ compile time. Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, ensure_importable, git_commit, model_dir, print_table  # noqa: E402
+from common import QWEN3_8B, TINY, ensure_importable, model_dir, print_table, write_results  # noqa: E402
 
 
 def main():
@@ -85,11 +83,7 @@ def main():
         rows.append(row)
         print_table([row], list(row))
     print_table(rows, list(rows[0]))
-    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
-           "commit": git_commit(), "args": vars(args), "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, args, rows)
 
 
 if __name__ == "__main__":
