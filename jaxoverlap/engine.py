@@ -96,6 +96,27 @@ def _pallas_attention(interpret: bool, mesh=None, fuse_decode: bool = True):
     return sharded
 
 
+def _int_list(prompt) -> list[int]:
+    """Token ids as a list of Python ints; anything but integers (bools included) raises.
+
+    It runs on the engine's thread for every request, so the common case (a list of ints,
+    as the gRPC server and the tokenizer hand over) is checked with C-level passes only:
+    about 0.1 ms for 8k ids, where a Python loop over them takes over a millisecond."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.dtype.kind not in "iu" or prompt.ndim != 1:
+            raise InvalidRequestError(f"token ids must be integers in one dimension, got an array of "
+                                      f"{prompt.dtype} with shape {prompt.shape}")
+        return prompt.tolist()
+    ids = list(prompt)
+    kinds = set(map(type, ids))
+    if kinds <= {int}:
+        return ids
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise InvalidRequestError(f"token ids must be integers, got {t!r}")
+    return [int(t) for t in ids]
+
+
 class Engine:
     def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None, params=None, tokenizer=None,
                  draft_model_config: ModelConfig | None = None, draft_params=None,
@@ -282,16 +303,11 @@ class Engine:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = list(prompt)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                    raise InvalidRequestError(f"token ids must be integers, got {t!r}")
-            ids = [int(t) for t in ids]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"token ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}"
-                )
+            ids = _int_list(prompt)
+            vocab = self.model_config.vocab_size
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                bad = [t for t in ids if not 0 <= t < vocab]
+                raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         else:
             raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -402,19 +418,21 @@ class Engine:
 
     # -- outputs ----------------------------------------------------------------------------------
     def _check_stop_strings(self, req: Request) -> str | None:
-        """Called for every new token: keep the request's text current and look for stop strings."""
+        """Called for every new token: decode it and look for stop strings.
+
+        The request keeps only the text not handed out yet (`_make_outputs` holds back the
+        last len(longest stop) - 1 characters of it), so a stop string that this token
+        completed lies wholly inside it, and each token costs the same however long the
+        output has grown."""
         if req.detok is None:
             return None
-        req.text += req.detok.step([req.output_ids[-1]])
+        req.pending_text += req.detok.step(req.output_ids[-1])
         stops = req.params.stop
         if not stops:
             return None
-        # Only the tail can hold a stop string that this token completed.
-        window = max(len(s) for s in stops) + 16
-        tail_start = max(0, len(req.text) - window)
-        hits = [i for s in stops if (i := req.text.find(s, tail_start)) >= 0]
+        hits = [i for s in stops if (i := req.pending_text.find(s)) >= 0]
         if hits:
-            req.text = req.text[: min(hits)]
+            req.pending_text = req.pending_text[: min(hits)]
             return "stop"
         return None
 
@@ -426,16 +444,17 @@ class Engine:
         for req in reqs:
             params, n_ids, finished = req.params, len(req.output_ids), req.finished
             if finished and req.detok is not None and req.finish_reason != "stop":
-                req.text += req.detok.flush()
+                req.pending_text += req.detok.flush()
             new_ids = req.output_ids[req.num_emitted:]
             new_lp = req.output_logprobs[req.num_emitted:] if params.logprobs else None
-            # Hold back text that may still turn out to begin a stop string.
-            text_end = len(req.text)
+            new_text = req.pending_text
             if params.stop and not finished:
-                text_end = max(req.num_text_emitted, text_end - max(len(s) for s in params.stop) + 1)
-            new_text = req.text[req.num_text_emitted:text_end]
+                # Hold back text that may still turn out to begin a stop string.
+                keep = min(len(new_text), max(len(s) for s in params.stop) - 1)
+                new_text, req.pending_text = new_text[: len(new_text) - keep], new_text[len(new_text) - keep :]
+            else:
+                req.pending_text = ""
             req.num_emitted = n_ids
-            req.num_text_emitted = text_end
             self.tokens_generated += len(new_ids)
             outputs.append(RequestOutput(req.request_id, new_ids, new_text, finished, req.finish_reason,
                                          req.metrics, new_lp, req.output_ids, n_ids))

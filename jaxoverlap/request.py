@@ -52,10 +52,10 @@ class Request:
     # was launched before carry the old epoch, and their results are dropped.
     epoch: int = 0
 
-    # Streaming: how much of the output has been handed out.
+    # Streaming: how many output ids have been handed out, and the decoded text that has
+    # not been (only the tail that may begin a stop string is ever held back).
     num_emitted: int = 0
-    text: str = ""
-    num_text_emitted: int = 0
+    pending_text: str = ""
     detok: object = None  # the tokenizer's incremental decoder
 
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)

@@ -24,9 +24,15 @@ class FakeTokenizer:
     def __init__(self, vocab_size: int = 259, eos_token_ids=(2,)):
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.calls: list[tuple[str, int]] = []  # (method, thread id) of each encode call
 
     def encode(self, text: str) -> list[int]:
+        self.calls.append(("encode", threading.get_ident()))
         return [b + 3 for b in text.encode("utf-8")]
+
+    def encode_batch(self, texts) -> list[list[int]]:
+        self.calls.append(("encode_batch", threading.get_ident()))
+        return [[b + 3 for b in t.encode("utf-8")] for t in texts]
 
     def decode(self, ids) -> str:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
@@ -71,6 +77,7 @@ class FakeEngine:
         self._finished_pending: list[_FakeRequest] = []  # aborted, to be reported next step
         self.tokens_generated = 0
         self.thread_ids: set[int] = set()  # which threads called into the engine (must be one)
+        self.prompt_kinds: list[str] = []  # the type of each prompt add_request got
 
     def _touch(self):
         self.thread_ids.add(threading.get_ident())
@@ -79,6 +86,7 @@ class FakeEngine:
         self._touch()
         if request_id in self._all:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
+        self.prompt_kinds.append(type(prompt).__name__)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("empty prompt")

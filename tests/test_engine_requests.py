@@ -43,6 +43,10 @@ def test_bad_prompts_are_rejected_and_others_keep_running():
         ([1, VOCAB], InvalidRequestError, "outside the vocabulary"),
         ([1, -2], InvalidRequestError, "outside the vocabulary"),
         ([1, 2.5], InvalidRequestError, "integers"),
+        ([1, True], InvalidRequestError, "integers"),
+        (np.array([1.0, 2.0]), InvalidRequestError, "integers"),
+        (np.array([[1, 2]]), InvalidRequestError, "one dimension"),
+        (np.array([1, VOCAB]), InvalidRequestError, "outside the vocabulary"),
         (list(range(1, 65)), PromptTooLongError, "context"),
         ("text without a tokenizer", InvalidRequestError, "tokenizer"),
         (None, InvalidRequestError, "string or a list"),
@@ -53,8 +57,15 @@ def test_bad_prompts_are_rejected_and_others_keep_running():
     with pytest.raises(InvalidRequestError, match="already running"):
         eng.add_request("ok", [4], GREEDY)
     assert "bad" not in eng.requests
+    # Integers of other types are token ids too.
+    eng.add_request("np", np.array([1, 2, 3], np.int32), GREEDY)
+    eng.add_request("mixed", [np.int64(1), 2, 3], GREEDY)
+    assert eng.requests["np"].prompt_ids == eng.requests["mixed"].prompt_ids == [1, 2, 3]
+    assert all(type(t) is int for t in eng.requests["np"].prompt_ids + eng.requests["mixed"].prompt_ids)
+    eng.abort("np"), eng.abort("mixed")
     finals = {o.request_id: o for o in eng.drain() if o.finished}
-    assert list(finals) == ["ok"] and finals["ok"].token_ids == baseline
+    assert sorted(finals) == ["mixed", "np", "ok"] and finals["ok"].token_ids == baseline
+    assert finals["np"].finish_reason == finals["mixed"].finish_reason == "abort"
     eng.check_integrity()
 
 

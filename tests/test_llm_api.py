@@ -38,6 +38,39 @@ def test_stop_string_truncates_text(llm):
     llm.engine.check_integrity()
 
 
+def test_streamed_stop_strings_hold_back_only_a_possible_stop(llm):
+    """Streaming with stop strings: the deltas add up to the final text, which is the
+    unstopped text cut before the first stop string; the engine holds back at most the
+    longest stop string less one character, and no more than that, at every step."""
+    prompt = "Once upon a time"
+    [full] = llm.generate([prompt], SamplingParams(max_new_tokens=48, temperature=0.0))
+    text = full.text
+    mid = len(text) // 2
+    cases = [
+        [text[mid : mid + 7]],  # spans tokens, found in the middle
+        ["never-in-this-text-xyz", text[mid + 3 : mid + 5]],  # a long stop and a short one
+        ["never-in-this-text-xyz"],  # never found: everything streams, nothing is lost
+    ]
+    engine = llm.engine
+    for stops in cases:
+        params = SamplingParams(max_new_tokens=48, temperature=0.0, stop=stops)
+        deltas, held = [], []
+        for d in llm.generate_stream([prompt], params):
+            deltas.append(d)
+            req = engine.requests.get(d.request_id)
+            if req is not None:  # still running: what the engine keeps back
+                held.append(len(req.pending_text))
+        streamed = "".join(d.new_text for d in deltas)
+        hits = [i for s in stops if (i := text.find(s)) >= 0]
+        expected = text[: min(hits)] if hits else text
+        assert streamed == expected, stops
+        assert deltas[-1].finish_reason == ("stop" if hits else "length")
+        assert max(held, default=0) <= max(len(s) for s in stops) - 1
+        if not hits:
+            assert deltas[-1].token_ids == full.token_ids
+    engine.check_integrity()
+
+
 def test_bad_prompt_in_a_batch_rejects_the_call_and_leaves_nothing(llm):
     with pytest.raises(ValueError, match="empty prompt"):
         llm.generate(["fine", ""], SamplingParams(max_new_tokens=4))

@@ -160,6 +160,24 @@ def test_stream_and_engine_thread_ownership(served):
     assert engine.thread_ids == {worker._thread.ident}
 
 
+def test_text_prompts_are_tokenized_off_the_engine_thread(served):
+    """The handler tokenizes: the engine gets token ids, and a long text goes through the
+    tokenizer's batch call on a thread that is neither the engine's nor the event loop's."""
+    engine, worker, st, client = served
+    engine.tokenizer.calls.clear()
+    kinds_before = len(engine.prompt_kinds)
+    assert client.generate_text("ab", max_new_tokens=2).token_ids
+    with pytest.raises(grpc.RpcError) as e:  # tokenized, then too long for the fake's context
+        client.generate_text("y" * 5000)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "5000 tokens" in e.value.details()
+    calls = engine.tokenizer.calls
+    assert [m for m, _ in calls] == ["encode", "encode_batch"]
+    short_thread, long_thread = calls[0][1], calls[1][1]
+    assert worker._thread.ident not in (short_thread, long_thread)
+    assert long_thread != short_thread  # the short one ran on the event loop itself
+    assert engine.prompt_kinds[kinds_before:] == ["list", "list"]
+
+
 def test_errors_keep_serving(served):
     _, _, st, client = served
     cases = [("", {}, grpc.StatusCode.INVALID_ARGUMENT), ([], {}, grpc.StatusCode.INVALID_ARGUMENT),

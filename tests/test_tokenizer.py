@@ -46,11 +46,26 @@ def _byte_fallback_tokenizer() -> Tokenizer:
     return Tokenizer(tok, eos_token_ids=[2], bos_token_id=1)
 
 
-def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] = (), chunk: int = 1) -> list[str]:
+@pytest.fixture(params=["library", "python"])
+def backend(request) -> str:
+    """IncrementalDecoder runs tokenizers' DecodeStream, or its own Python window method
+    (the fallback when DecodeStream fails or is missing): both must stream the same text."""
+    return request.param
+
+
+def _decoder(tok: Tokenizer, prompt=(), backend: str = "library") -> IncrementalDecoder:
     dec = tok.incremental_decoder(prompt)
+    if backend == "python":
+        dec._stream = None
+    else:
+        assert dec._stream is not None, "this tokenizers release has no DecodeStream with prompt ids"
+    return dec
+
+
+def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] = (), chunk: int = 1, backend: str = "library") -> list[str]:
+    dec = _decoder(tok, prompt, backend)
     deltas = [dec.step(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     deltas.append(dec.flush())
-    assert dec.text == "".join(deltas)
     return deltas
 
 
@@ -105,9 +120,9 @@ def test_eos_and_bos_from_config_files(tmp_path):
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
 @pytest.mark.parametrize("text", TEXTS)
-def test_incremental_decode_byte_level(default_tok, text, chunk):
+def test_incremental_decode_byte_level(default_tok, text, chunk, backend):
     ids = default_tok.encode(text)
-    deltas = _stream(default_tok, ids, chunk=chunk)
+    deltas = _stream(default_tok, ids, chunk=chunk, backend=backend)
     assert "".join(deltas) == text
     # Never a half character: no replacement char leaks out of a split code point.
     assert not any("\ufffd" in d for d in deltas)
@@ -117,43 +132,85 @@ def test_incremental_decode_byte_level(default_tok, text, chunk):
 
 
 @pytest.mark.parametrize("text", ["hello world", "hello héllo 中文 🙂 world", "Hello, World."])
-def test_incremental_decode_byte_fallback(text):
+def test_incremental_decode_byte_fallback(text, backend):
     tok = _byte_fallback_tokenizer()
     ids = tok.encode(text, add_special_tokens=False)
     assert any(tok.id_to_token(i).startswith("<0x") for i in ids) == any(ord(c) > 0x7F for c in text)
-    deltas = _stream(tok, ids)
+    deltas = _stream(tok, ids, backend=backend)
     assert "".join(deltas) == tok.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
 
 
-def test_incremental_decode_keeps_space_after_prompt():
+def test_incremental_decode_keeps_space_after_prompt(backend):
     """Decoded alone, a sentencepiece "▁world" loses its space; after a prompt it must not."""
     tok = _byte_fallback_tokenizer()
     full = tok.encode("hello world", add_special_tokens=False)
     prompt = tok.encode("hello", add_special_tokens=False)
     assert full[: len(prompt)] == prompt
-    deltas = _stream(tok, full[len(prompt) :], prompt=prompt)
+    deltas = _stream(tok, full[len(prompt) :], prompt=prompt, backend=backend)
     assert "".join(deltas) == " world"
 
 
-def test_incremental_decode_skips_special_tokens(default_tok):
+def test_incremental_decode_skips_special_tokens(default_tok, backend):
     eos = default_tok.eos_token_ids[0]
     ids = default_tok.encode("The sea") + [eos] + default_tok.encode(" is calm")
-    assert "".join(_stream(default_tok, ids)) == "The sea is calm"
+    assert "".join(_stream(default_tok, ids, backend=backend)) == "The sea is calm"
 
 
-def test_incremental_decode_random_ids(default_tok):
-    """Arbitrary id sequences (as an untrained model emits) stream to exactly decode(ids)."""
+def test_incremental_decode_random_ids(default_tok, backend):
+    """Arbitrary id sequences (as an untrained model emits) stream to exactly decode(ids),
+    with and without a prompt in front."""
     rng = random.Random(0)
     for _ in range(20):
         ids = [rng.randrange(3, default_tok.vocab_size) for _ in range(rng.randint(1, 40))]
-        assert "".join(_stream(default_tok, ids)) == default_tok.decode(ids)
+        assert "".join(_stream(default_tok, ids, backend=backend)) == default_tok.decode(ids)
+        prompt = default_tok.encode("Once upon a time")
+        full = default_tok.decode(prompt + ids)
+        text = "".join(_stream(default_tok, ids, prompt=prompt, chunk=rng.randint(1, 3), backend=backend))
+        assert default_tok.decode(prompt) + text == full
 
 
-def test_flush_emits_incomplete_tail(default_tok):
+def test_flush_emits_incomplete_tail(default_tok, backend):
     ids = default_tok.encode("ok 🙂")
-    dec = IncrementalDecoder(default_tok)
+    dec = _decoder(default_tok, backend=backend)
     out = "".join(dec.step(i) for i in ids[:-1])  # the emoji's last byte never comes
     tail = dec.flush()
     assert out + tail == default_tok.decode(ids[:-1])
     assert tail.endswith("\ufffd")
+
+
+def test_a_failing_decode_stream_hands_over_to_the_python_window(default_tok):
+    """DecodeStream raises on windows whose text does not extend the previous one; the
+    decoder then goes on with its own window method from where the stream stood."""
+    text = "Café crème 中文 🙂 and more words after it."
+    ids = default_tok.encode(text)
+
+    class Failing:
+        def __init__(self, inner, fail_at):
+            self.inner, self.calls, self.fail_at = inner, 0, fail_at
+
+        def step(self, tok, new_ids):
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise Exception("InvalidPrefix")
+            return self.inner.step(tok, new_ids)
+
+    for fail_at in range(1, len(ids) + 1):
+        dec = _decoder(default_tok)
+        dec._stream = Failing(dec._stream, fail_at)
+        out = "".join(dec.step(i) for i in ids) + dec.flush()
+        assert out == text, fail_at
+        assert dec._stream is None  # the Python window took over for good
+
+
+def test_decoder_state_stays_small_over_a_long_stream(default_tok, backend):
+    """Only the context and the not-yet-emitted ids are kept: a step at token 3000 costs
+    what one at token 10 costs."""
+    ids = default_tok.encode("The quick brown fox jumps over the lazy dog. 🙂 " * 100)
+    assert len(ids) > 1000
+    dec = _decoder(default_tok, backend=backend)
+    longest = 0
+    for i in ids:
+        dec.step(i)
+        longest = max(longest, len(dec._context) + len(dec._pending))
+    assert longest <= 8
