@@ -68,6 +68,40 @@ class StepTiming:
     verify_rows: int = 0  # live rows of the processed speculative step
     start_s: float = 0.0  # time.perf_counter() at the iteration's start (where a run's edges lie)
     reservations: int = 0  # pages the launched step reserved (sent to the device with it)
+    # The step processed in this iteration was already done when the host came to wait for
+    # it (LaunchedStep.done). Under overlap the device may then have run dry before the
+    # step launched in this iteration.
+    found_done: bool = False
+
+
+@dataclasses.dataclass
+class LoopTotals:
+    """Running sums over every loop iteration since the engine was built (Engine.stats, and the
+    server's Prometheus counters): cheap enough to keep always, unlike `timings`' window.
+    rate(host seconds) / rate(iterations) is the host's time per step."""
+
+    prefill_iterations: int = 0  # iterations that launched a prefill
+    decode_iterations: int = 0  # iterations that launched a decode (or speculative) step
+    prepare_s: float = 0.0
+    launch_s: float = 0.0
+    process_s: float = 0.0
+    wait_s: float = 0.0  # blocked on the device for a step's outputs
+    # Overlap iterations that launched a step and found the previous one already done when
+    # they came to wait for it, or that processed it before the launch (the host n-gram
+    # drafter): at most this many times the device waited for the host.
+    host_bound_iterations: int = 0
+
+    def add(self, t: "StepTiming", overlap: bool) -> None:
+        if t.kind == "prefill":
+            self.prefill_iterations += 1
+        elif t.kind == "decode":
+            self.decode_iterations += 1
+        self.prepare_s += t.prepare_s
+        self.launch_s += t.launch_s
+        self.process_s += t.process_s
+        self.wait_s += t.wait_s
+        if overlap and t.kind and (t.fresh_wait_s > 0 or t.found_done):
+            self.host_bound_iterations += 1
 
 
 def _resolve_dtype(name: str):
@@ -236,6 +270,7 @@ class Engine:
         self._inflight: LaunchedStep | None = None
         self._seed_rng = random.Random(config.seed)
         self.timings: collections.deque[StepTiming] = collections.deque(maxlen=100_000)
+        self.loop_totals = LoopTotals()
         self.tokens_generated = 0
         self.overlap = not config.disable_overlap
         self.guard_launch = False  # tests set this: launches run under sync_guard.no_host_sync()
@@ -360,14 +395,15 @@ class Engine:
             # Host n-gram: the drafts need step N's tokens, so this batch gives up overlap.
             # Its reservations, made from older counts, still cover it.
             prev, self._inflight = self._inflight, None
-            _, early = self._process(prev)
+            _, early, _ = self._process(prev)
             fresh_s = time.perf_counter() - t1
         t1b = time.perf_counter()
         launched = self._launch(batch) if batch is not None else None  # step N+1 queued behind N
         t2 = time.perf_counter()
         prev, self._inflight = self._inflight, launched
-        wait_s, outputs = self._process(prev)  # waits for step N only
-        self._record(batch, t1 - t0, t2 - t1b, wait_s, time.perf_counter() - t2 - wait_s, fresh_s, start_s=t0)
+        wait_s, outputs, found_done = self._process(prev)  # waits for step N only
+        self._record(batch, t1 - t0, t2 - t1b, wait_s, time.perf_counter() - t2 - wait_s, fresh_s, start_s=t0,
+                     found_done=found_done)
         return early + outputs
 
     def _step_normal(self) -> list[RequestOutput]:
@@ -376,8 +412,9 @@ class Engine:
         t1 = time.perf_counter()
         launched = self._launch(batch) if batch is not None else None
         t2 = time.perf_counter()
-        wait_s, outputs = self._process(launched)  # waits for the step just launched
-        self._record(batch, t1 - t0, t2 - t1, wait_s, time.perf_counter() - t2 - wait_s, start_s=t0)
+        wait_s, outputs, found_done = self._process(launched)  # waits for the step just launched
+        self._record(batch, t1 - t0, t2 - t1, wait_s, time.perf_counter() - t2 - wait_s, start_s=t0,
+                     found_done=found_done)
         return outputs
 
     def _launch(self, batch) -> LaunchedStep:
@@ -394,10 +431,12 @@ class Engine:
                     return self.runner.launch(batch)
             return self.runner.launch(batch)
 
-    def _process(self, launched: LaunchedStep | None) -> tuple[float, list[RequestOutput]]:
-        wait_s = 0.0
+    def _process(self, launched: LaunchedStep | None) -> tuple[float, list[RequestOutput], bool]:
+        """(seconds waited for the device, the outputs, whether the step was done before the wait)."""
+        wait_s, found_done = 0.0, False
         updated: list[Request] = []
         if launched is not None:
+            found_done = launched.done()
             t = time.perf_counter()
             tokens, logprobs, accept_lens = launched.fetch()
             wait_s = time.perf_counter() - t
@@ -406,15 +445,18 @@ class Engine:
             updated = s.process(launched.batch, tokens, logprobs, accept_lens)
             self._accepted = (s.num_accepted_tokens - before[0], s.num_verify_rows - before[1])
         finished = self.scheduler.poll_finished()
-        return wait_s, self._make_outputs(updated, finished)
+        return wait_s, self._make_outputs(updated, finished), found_done
 
-    def _record(self, batch, prepare_s, launch_s, wait_s, process_s, fresh_wait_s=0.0, *, start_s=0.0) -> None:
+    def _record(self, batch, prepare_s, launch_s, wait_s, process_s, fresh_wait_s=0.0, *, start_s=0.0,
+                found_done=False) -> None:
         kind, size = (batch.kind, batch.size) if batch is not None else ("", 0)
         draft_s = self.runner.last_draft_s if batch is not None and self.runner.needs_host_results(batch) else 0.0
         accepted, rows = self._accepted
         self._accepted = (0, 0)
-        self.timings.append(StepTiming(kind, size, prepare_s, launch_s, wait_s, process_s, fresh_wait_s, draft_s,
-                                       accepted, rows, start_s, len(batch.reservations) if batch is not None else 0))
+        timing = StepTiming(kind, size, prepare_s, launch_s, wait_s, process_s, fresh_wait_s, draft_s, accepted,
+                            rows, start_s, len(batch.reservations) if batch is not None else 0, found_done)
+        self.timings.append(timing)
+        self.loop_totals.add(timing, self.overlap)
 
     # -- outputs ----------------------------------------------------------------------------------
     def _check_stop_strings(self, req: Request) -> str | None:
@@ -481,6 +523,9 @@ class Engine:
             # Tokens per verified row, bonus included (1.0 without speculation).
             "accept_length": s.num_accepted_tokens / s.num_verify_rows if s.num_verify_rows else 1.0,
             "spec_paused_steps": s.num_paused_steps,  # decode steps above speculative_disable_by_batch_size
+            # The loop since the engine was built (LoopTotals): iterations, host seconds by
+            # phase, seconds blocked on the device, and iterations after which it may have run dry.
+            "loop": dataclasses.asdict(self.loop_totals),
         }
 
     def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int = 8,

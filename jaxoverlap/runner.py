@@ -31,6 +31,10 @@ class LaunchedStep:
     batch: ScheduledBatch
     out: object  # steps.StepOutput | SpecStepOutput, device arrays; their copy to the host has been started
 
+    def done(self) -> bool:
+        """Whether the device has finished this step (never waits)."""
+        return self.out.packed.is_ready()
+
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Wait for this step's small outputs (the only place the host waits for the device).
         Returns (tokens, logprobs, accept_lens or None for plain steps)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,21 @@ class _EngineCollector:
             "kv_usage": GaugeMetricFamily("jaxoverlap_kv_cache_usage_ratio", "KV-cache tokens in use / capacity"),
             "streams": GaugeMetricFamily("jaxoverlap_active_streams", "Generate calls in flight on the server"),
             "up": GaugeMetricFamily("jaxoverlap_engine_up", "1 if the engine answered this scrape"),
+            # The engine loop (Engine.stats()["loop"]): rate(host seconds) / rate(iterations) is
+            # the host's time per step, which the overlap loop hides while it stays under the
+            # device's step; host-bound iterations count where it may not have.
+            "iterations": CounterMetricFamily("jaxoverlap_engine_iterations",
+                                              "Engine loop iterations by the kind of step they launched",
+                                              labels=["kind"]),
+            "host_seconds": CounterMetricFamily("jaxoverlap_engine_host_seconds",
+                                                "Host time of the engine loop by phase (prepare, launch, process)",
+                                                labels=["phase"]),
+            "wait_seconds": CounterMetricFamily("jaxoverlap_engine_device_wait_seconds",
+                                                "Time the engine loop spent blocked on the device"),
+            "host_bound": CounterMetricFamily("jaxoverlap_engine_host_bound_iterations",
+                                              "Overlap iterations that found the previous step already done "
+                                              "when they came to wait for it: the device may have waited for "
+                                              "the host"),
         }
 
     def collect(self):
@@ -58,6 +73,17 @@ class _EngineCollector:
         fams["kv_total"].add_metric([], total)
         fams["kv_usage"].add_metric([], used / total if total else 0.0)
         fams["up"].add_metric([], 1)
+        loop = stats.get("loop")
+        if loop:
+            fams["iterations"].add_metric(["prefill"], loop["prefill_iterations"])
+            fams["iterations"].add_metric(["decode"], loop["decode_iterations"])
+            for phase in ("prepare", "launch", "process"):
+                fams["host_seconds"].add_metric([phase], loop[f"{phase}_s"])
+            fams["wait_seconds"].add_metric([], loop["wait_s"])
+            fams["host_bound"].add_metric([], loop["host_bound_iterations"])
+        else:  # an engine without loop totals (the test fake)
+            for name in ("iterations", "host_seconds", "wait_seconds", "host_bound"):
+                del fams[name]
         if self._server is not None:
             fams["streams"].add_metric([], self._server.active_streams)
         else:

@@ -143,3 +143,57 @@ def test_every_request_of_a_staggered_workload_matches_the_dense_reference(kv_ca
             padded[: len(seq)] = seq
             seq.append(int(greedy_step(padded, len(seq))))
         assert finals[rid].token_ids == seq[len(prompt):], rid
+
+
+def test_loop_totals_count_iterations_host_time_and_host_bound_steps():
+    """Engine.stats()["loop"] sums every iteration's timing. The overlap loop counts the
+    iterations whose wait found the previous step done: none in the normal loop, and nearly
+    every decode iteration when the host is made slower than the device's step."""
+    import time
+
+    def run(eng, n_tokens):
+        eng.add_request(f"x{time.perf_counter()}", [1, 2, 3], SamplingParams(max_new_tokens=n_tokens, temperature=0.0,
+                                                                            ignore_eos=True))
+        eng.drain()
+        return eng.stats()["loop"]
+
+    eng = make_engine(disable_overlap=True)
+    loop = run(eng, 12)
+    timings = list(eng.timings)
+    assert loop["prefill_iterations"] == sum(t.kind == "prefill" for t in timings) == 1
+    assert loop["decode_iterations"] == sum(t.kind == "decode" for t in timings) == 11
+    for phase in ("prepare", "launch", "process", "wait"):
+        assert loop[f"{phase}_s"] == pytest.approx(sum(getattr(t, f"{phase}_s") for t in timings))
+    assert loop["host_bound_iterations"] == 0  # counted in the overlap loop only
+
+    eng = make_engine()
+    before = run(eng, 4)  # compiles, and the first launch has nothing to wait for
+    schedule = eng.scheduler.schedule
+
+    def slow_schedule():  # a host far slower than the tiny model's step
+        time.sleep(0.03)
+        return schedule()
+
+    eng.scheduler.schedule = slow_schedule
+    after = run(eng, 12)
+    decode = after["decode_iterations"] - before["decode_iterations"]
+    bound = after["host_bound_iterations"] - before["host_bound_iterations"]
+    # 11 decode steps for 12 tokens, and one more: the overlap loop finds the finish a step late.
+    assert decode == 12 and bound >= decode - 1, (decode, bound)
+
+
+def test_loop_totals_count_a_host_bound_iteration_only_under_overlap():
+    from jaxoverlap.engine import LoopTotals, StepTiming
+
+    def timing(kind="decode", found_done=False, fresh=0.0):
+        return StepTiming(kind, 4, 0.001, 0.002, 0.003, 0.0005, fresh, 0.0, 0, 0, 0.0, 0, found_done)
+
+    totals = LoopTotals()
+    totals.add(timing(found_done=True), overlap=True)  # counted
+    totals.add(timing(found_done=False), overlap=True)  # the host waited: the device was busy
+    totals.add(timing(found_done=True), overlap=False)  # the normal loop idles the device by design
+    totals.add(timing(kind="", found_done=True), overlap=True)  # nothing launched: a drain iteration
+    totals.add(timing(fresh=0.004), overlap=True)  # host n-gram: processed before the launch
+    assert totals.host_bound_iterations == 2
+    assert totals.decode_iterations == 4 and totals.prefill_iterations == 0
+    assert totals.wait_s == pytest.approx(5 * 0.003)

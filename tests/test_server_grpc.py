@@ -372,6 +372,34 @@ def test_generated_tokens_accounting(env):
     json.dumps(client.server_info())  # plain data
 
 
+def test_metrics_export_the_engine_loop(env):
+    """/metrics carries the engine loop's counters (Engine.stats()["loop"]): iterations by kind,
+    host seconds by phase, device wait, host-bound iterations; they grow with the traffic."""
+    import re
+    import urllib.request
+
+    st = ServerThread(env["worker"], metrics_port=-1).start()
+    try:
+        def scrape() -> dict:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read()
+            return {m[0]: float(m[1]) for m in re.findall(r"^(jaxoverlap_engine_\S+) (\S+)$", text.decode(), re.M)}
+
+        before = scrape()
+        with GenerationClient(st.target, timeout=60) as c:
+            c.generate_text([5, 6, 7], max_new_tokens=8, ignore_eos=True)
+        after = scrape()
+    finally:
+        st.stop(grace=2)
+    decode = 'jaxoverlap_engine_iterations_total{kind="decode"}'
+    assert after[decode] - before[decode] >= 7  # 8 tokens: one from the prefill, 7+ decode steps
+    assert after['jaxoverlap_engine_iterations_total{kind="prefill"}'] > before['jaxoverlap_engine_iterations_total{kind="prefill"}']
+    for phase in ("prepare", "launch", "process"):
+        key = f'jaxoverlap_engine_host_seconds_total{{phase="{phase}"}}'
+        assert after[key] > before[key]
+    assert after["jaxoverlap_engine_device_wait_seconds_total"] > before["jaxoverlap_engine_device_wait_seconds_total"]
+    assert "jaxoverlap_engine_host_bound_iterations_total" in after
+
+
 # ---- the `jaxoverlap serve` command -------------------------------------------------------------
 
 
