@@ -7,7 +7,9 @@ overlap loop. Three workloads of the same prompts, each timed per decode step at
 batch (median ms of the engine's prepare / launch / process):
   ids        the engine has no tokenizer for these requests: no text at all;
   text       every new token is decoded (models/tokenizer.IncrementalDecoder);
-  text_stop  the same with two stop strings that never match, checked on every token.
+  text_stop  the same with two stop strings that never match, checked on every token;
+  text_off   text prompts with SamplingParams(detokenize=False), as the gRPC server submits
+             requests without stop strings (its handlers decode the ids, off this thread).
 Then `--long-tokens` new tokens for 8 requests with a stop string: process in the first and
 the last 100 steps (a step must not cost more as the output grows). Last, `add_request` of
 a long prompt as ids and as text (the best of 5): what one arrival costs the engine's
@@ -57,9 +59,10 @@ def main():
         corpus = f.read()
     prompts = [corpus[i * 97 : i * 97 + 400] for i in range(B)]
 
-    def run(kind: str, n: int, new_tokens: int, stop=()) -> dict:
+    def run(kind: str, n: int, new_tokens: int, stop=(), detokenize=True) -> dict:
         engine.tokenizer = None if kind == "ids" else tokenizer  # no tokenizer: no text for these requests
-        params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, stop=stop)
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, stop=stop,
+                                detokenize=detokenize)
         for i in range(n):
             prompt = tokenizer.encode(prompts[i]) if kind == "ids" else prompts[i]
             engine.add_request(f"{kind}-{i}-{time.perf_counter()}", prompt, params)
@@ -77,8 +80,9 @@ def main():
         run(kind, B, 8)
     run("text", 8, 8)
     rows = []
-    for name, kind, stop in (("ids", "ids", ()), ("text", "text", ()), ("text_stop", "text", STOPS)):
-        rows.append({"workload": name, "batch": B, **run(kind, B, args.new_tokens, stop)})
+    for name, kind, stop in (("ids", "ids", ()), ("text", "text", ()), ("text_stop", "text", STOPS),
+                             ("text_off", "text", ())):
+        rows.append({"workload": name, "batch": B, **run(kind, B, args.new_tokens, stop, name != "text_off")})
         print_table(rows[-1:], ["workload", "batch", "steps", "prepare_ms", "launch_ms", "process_ms"])
     rows.append({"workload": f"text_stop, {args.long_tokens} tokens", "batch": 8,
                  **run("text", 8, args.long_tokens, STOPS[1:])})

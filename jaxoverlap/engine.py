@@ -327,7 +327,7 @@ class Engine:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are queued (max_queued_requests)")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         req = Request(request_id, prompt_ids, params, seed)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             req.detok = self.tokenizer.incremental_decoder(prompt_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -68,3 +68,27 @@ class GenerationResult:
     finish_reason: str
     metrics: RequestMetrics
     logprobs: list[float] | None = None
+
+
+class OutputText:
+    """The text of one request's outputs, made from their token ids by the consumer: what the
+    engine's own text would be for a request without stop strings, for requests submitted
+    with `SamplingParams(detokenize=False)`.
+
+    The engine decodes each new token on its thread (Engine._check_stop_strings); a consumer
+    on another thread (the gRPC server's handler) can take that work off it. Same rules: one
+    token at a time, a stop token's text left out, and the held-back tail of an incomplete
+    character flushed at the end unless the request stopped.
+    """
+
+    def __init__(self, tokenizer, prompt_ids):
+        self._decoder = tokenizer.incremental_decoder(prompt_ids)
+
+    def delta(self, out: RequestOutput) -> str:
+        ids = out.new_token_ids
+        if out.finished and out.finish_reason == "stop" and ids:
+            ids = ids[:-1]  # the stop (or EOS) token: the engine never decodes it
+        text = "".join([self._decoder.step(t) for t in ids])
+        if out.finished and out.finish_reason != "stop":
+            text += self._decoder.flush()
+        return text

@@ -19,6 +19,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # False: the engine makes no text for this request (outputs carry token ids and an empty
+    # new_text). For callers that decode elsewhere, e.g. the gRPC server's handlers, which
+    # keep that work off the engine's thread (outputs.OutputText), or that need ids only.
+    detokenize: bool = True
 
     def __post_init__(self):
         # Accept lists (and a bare string for `stop`) from callers; store tuples so the object stays hashable.
@@ -56,6 +60,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t < 0:
                 bad(f"stop_token_ids must be >= 0, got {t}")
+        if self.stop and not self.detokenize:
+            bad("stop strings need the engine's text: detokenize must be True")
 
 
 def _finite(x) -> bool:

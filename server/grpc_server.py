@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxoverlap.errors import InvalidRequestError, PromptTooLongError, QueueFullError
+from jaxoverlap.outputs import OutputText
 from jaxoverlap.sampling_params import SamplingParams
 from jaxoverlap.server import jaxoverlap_pb2 as pb
 from jaxoverlap.server.engine_worker import DuplicateRequestError, EngineWorker, WorkerUnavailableError
@@ -311,6 +312,12 @@ class GenerationServicer:
                     logger.exception("tokenizing %s failed", rid)
                     await self._reject(context, grpc.StatusCode.INTERNAL, f"tokenizer failed: {e!r}")
                     return
+            text_maker = None
+            if self.tokenizer is not None and not params.stop:
+                # No stop strings, so the engine needs no text: this handler makes it from the
+                # token ids, on the event loop, while the engine's thread waits for the device.
+                params = dataclasses.replace(params, detokenize=False)
+                text_maker = OutputText(self.tokenizer, prompt)
             add_future = self.worker.submit_add(rid, prompt, params, asyncio.get_running_loop(), mailbox.put)
             try:
                 await asyncio.shield(asyncio.wrap_future(add_future))
@@ -342,8 +349,9 @@ class GenerationServicer:
                         await self._reject(context, grpc.StatusCode.UNAVAILABLE, f"engine failed: {out}")
                         return
                     tokens.extend(out.new_token_ids)
-                    if out.new_text:
-                        texts.append(out.new_text)
+                    text = out.new_text if text_maker is None else text_maker.delta(out)
+                    if text:
+                        texts.append(text)
                     if out.new_logprobs:
                         logprobs.extend(out.new_logprobs)
                     if out.finished:

@@ -37,6 +37,30 @@ class FakeTokenizer:
     def decode(self, ids) -> str:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
+    def incremental_decoder(self, prompt_ids=()) -> "FakeIncrementalDecoder":
+        return FakeIncrementalDecoder(self)
+
+
+class FakeIncrementalDecoder:
+    """models.tokenizer.IncrementalDecoder's contract for FakeTokenizer: text is emitted once
+    its bytes form whole characters."""
+
+    def __init__(self, tokenizer: FakeTokenizer):
+        self._tokenizer = tokenizer
+        self._pending: list[int] = []
+
+    def step(self, new_ids) -> str:
+        self._pending.extend([new_ids] if isinstance(new_ids, int) else new_ids)
+        text = self._tokenizer.decode(self._pending)
+        if text.endswith("\ufffd"):
+            return ""
+        self._pending = []
+        return text
+
+    def flush(self) -> str:
+        text, self._pending = self._tokenizer.decode(self._pending), []
+        return text
+
 
 @dataclasses.dataclass
 class FakeModelConfig:
@@ -78,6 +102,7 @@ class FakeEngine:
         self.tokens_generated = 0
         self.thread_ids: set[int] = set()  # which threads called into the engine (must be one)
         self.prompt_kinds: list[str] = []  # the type of each prompt add_request got
+        self.detokenize_flags: list[bool] = []  # and its SamplingParams.detokenize
 
     def _touch(self):
         self.thread_ids.add(threading.get_ident())
@@ -87,6 +112,7 @@ class FakeEngine:
         if request_id in self._all:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
         self.prompt_kinds.append(type(prompt).__name__)
+        self.detokenize_flags.append(getattr(params, "detokenize", True))
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("empty prompt")
@@ -164,7 +190,7 @@ class FakeEngine:
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=list(new),
-            new_text=self.tokenizer.decode(new),
+            new_text=self.tokenizer.decode(new) if getattr(req.params, "detokenize", True) else "",
             finished=finished,
             finish_reason=reason,
             metrics=dataclasses.replace(req.metrics),

@@ -87,3 +87,50 @@ def test_llm_as_a_context_manager_closes_its_engine():
     assert llm.engine.closed
     with pytest.raises(EngineClosedError):
         llm.generate(["Hi"], SamplingParams(max_new_tokens=4))
+
+
+def test_consumer_side_text_equals_the_engines(llm):
+    """Requests with detokenize=False carry no text; outputs.OutputText makes it from their ids
+    and gets the engine's own text: one token at a time, stop tokens left out, the tail
+    flushed unless the request stopped. Greedy and sampled, stop tokens, EOS, length, abort."""
+    from jaxoverlap.outputs import OutputText
+
+    engine, tok = llm.engine, llm.tokenizer
+    prompts = ["Once upon a time", "The quick brown fox", "In a small village", "Café 中文 🙂", "Hello"]
+    [probe] = llm.generate([prompts[0]], SamplingParams(max_new_tokens=12, temperature=0.0))
+
+    def params(i, detokenize):
+        return SamplingParams(max_new_tokens=10 + 7 * i, temperature=0.0 if i in (0, 3) else 0.9, seed=i,
+                              stop_token_ids=(probe.token_ids[6],) if i == 0 else (), ignore_eos=i == 4,
+                              detokenize=detokenize)
+
+    def run(detokenize):
+        ids = [tok.encode(p) for p in prompts]
+        for i, p in enumerate(ids):
+            engine.add_request(f"t{i}-{detokenize}", p, params(i, detokenize))
+        texts = {f"t{i}-{detokenize}": OutputText(tok, p) for i, p in enumerate(ids)}
+        made, finals, steps = {}, {}, 0
+        while engine.has_work():
+            steps += 1
+            if steps == 6:
+                engine.abort(f"t2-{detokenize}")
+            for out in engine.step():
+                rid = out.request_id
+                piece = out.new_text if detokenize else texts[rid].delta(out)
+                if not detokenize:
+                    assert out.new_text == ""
+                made[rid] = made.get(rid, "") + piece
+                if out.finished:
+                    finals[rid] = (out.token_ids, out.finish_reason)
+        return {k.split("-")[0]: (made[k], *finals[k]) for k in finals}
+
+    engine_side, consumer_side = run(True), run(False)
+    assert engine_side == consumer_side
+    reasons = {v[2] for v in engine_side.values()}
+    assert {"stop", "length", "abort"} <= reasons, reasons
+    engine.check_integrity()
+
+
+def test_stop_strings_need_the_engines_text():
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)

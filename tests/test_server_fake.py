@@ -178,6 +178,19 @@ def test_text_prompts_are_tokenized_off_the_engine_thread(served):
     assert engine.prompt_kinds[kinds_before:] == ["list", "list"]
 
 
+def test_the_handler_makes_the_text_unless_the_engine_needs_it(served):
+    """Without stop strings the engine is asked for no text (detokenize=False) and the handler
+    decodes the ids; with stop strings the engine makes it, since it must find them."""
+    engine, worker, st, client = served
+    before = len(engine.detokenize_flags)
+    items = list(client.generate("héllo", max_new_tokens=9))
+    text = "".join(c.text for c in items[:-1])
+    assert text and text == engine.tokenizer.decode(items[-1].token_ids)
+    stopped = client.generate_text("ab", max_new_tokens=9, stop=["zz"])
+    assert stopped.text == engine.tokenizer.decode(stopped.token_ids)
+    assert engine.detokenize_flags[before:] == [False, True]
+
+
 def test_errors_keep_serving(served):
     _, _, st, client = served
     cases = [("", {}, grpc.StatusCode.INVALID_ARGUMENT), ([], {}, grpc.StatusCode.INVALID_ARGUMENT),

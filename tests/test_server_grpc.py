@@ -101,6 +101,11 @@ def test_generate_text_streams(env):
     assert done.time_to_first_token > 0 and done.accept_length >= 1.0
     text = "".join(c.text for c in chunks)
     assert text == client.generate_text("Once upon a time", max_new_tokens=12, temperature=0.0).text  # greedy
+    # The handler made this text from the ids (no stop strings): it is what the engine's
+    # own decoding gives, here all of the output decoded.
+    full = client.generate_text("Once upon a time", max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    tokenizer = env["worker"].call_sync(lambda e: e.tokenizer)
+    assert full.finish_reason == "length" and full.text == tokenizer.decode(full.token_ids)
 
 
 def test_generate_token_ids(env):
