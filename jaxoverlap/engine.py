@@ -305,24 +305,13 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Queue a request. Bad input raises a ValueError subclass and changes nothing."""
-        if self.closed:
-            raise EngineClosedError("the engine is closed")
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self.check_request(prompt, params)
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
         old = self.requests.get(request_id)
         if old is not None and not old.finished:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        prompt_ids = self._prompt_ids(prompt)
-        if len(prompt_ids) >= self.max_context_len:
-            raise PromptTooLongError(
-                f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context_len} "
-                f"(prompt + output), so at most {self.max_context_len - 1} prompt tokens fit"
-            )
-        if not self.scheduler.fits(len(prompt_ids)):
-            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.kv_cache_tokens}")
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are queued (max_queued_requests)")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
@@ -331,6 +320,29 @@ class Engine:
             req.detok = self.tokenizer.incremental_decoder(prompt_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def check_request(self, prompt, params: SamplingParams | None = None) -> list[int]:
+        """The prompt's token ids if the engine can serve this request; otherwise the
+        ValueError subclass that add_request would raise for it. Changes nothing, so a caller
+        can check a whole batch of requests before it queues any (LLM.generate)."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_ids(prompt)
+        if len(prompt_ids) >= self.max_context_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context_len} "
+                f"(prompt + output), so at most {self.max_context_len - 1} prompt tokens fit"
+            )
+        if not self.scheduler.fits(len(prompt_ids)):
+            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.kv_cache_tokens}")
+        return prompt_ids
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not yet admitted."""
+        return len(self.scheduler.waiting)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Iterator, Sequence
 
@@ -15,6 +16,10 @@ from jaxoverlap.config import EngineConfig
 from jaxoverlap.engine import Engine
 from jaxoverlap.outputs import GenerationResult, RequestOutput
 from jaxoverlap.sampling_params import SamplingParams
+
+# Requests an LLM call keeps queued in the engine (at least twice max_running_requests): the
+# rest of its prompts wait in the call itself, so a call takes any number of prompts.
+QUEUE_DEPTH = 64
 
 
 class LLM:
@@ -41,32 +46,43 @@ class LLM:
         prefill program too (Engine.warmup)."""
         return self.engine.warmup(batch_sizes, ctx_lens, **kw)
 
-    def _submit(self, prompts, sampling_params) -> list[str]:
+    def _prepare(self, prompts, sampling_params) -> collections.deque:
+        """Every request of one call as (request id, prompt ids, params), all checked before any
+        is queued: a bad prompt rejects the whole call and leaves the engine untouched. Text
+        prompts are tokenized in one batch call."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        ids = []
-        try:
-            for prompt, params in zip(prompts, sampling_params):
-                rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, params)
-                ids.append(rid)
-        except ValueError:
-            for rid in ids:  # a bad prompt rejects the whole call, and leaves nothing behind
-                self.engine.abort(rid)
-            self.engine.drain()
-            raise
-        return ids
+        prompts = list(prompts)
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        tokenizer = self.engine.tokenizer
+        if texts and tokenizer is not None:
+            for i, ids in zip(texts, tokenizer.encode_batch([prompts[i] for i in texts])):
+                prompts[i] = ids
+        return collections.deque((f"llm-{next(self._ids)}", self.engine.check_request(p, sp), sp)
+                                 for p, sp in zip(prompts, sampling_params))
+
+    def _feed(self, pending: collections.deque) -> None:
+        """Queue requests of `pending` until the engine has QUEUE_DEPTH waiting. A call may hold
+        any number of prompts (an evaluation set of thousands), while the engine's queue takes
+        at most `max_queued_requests`; and each step then takes in a few, not all at once."""
+        engine = self.engine
+        depth = min(max(QUEUE_DEPTH, 2 * engine.config.max_running_requests), engine.config.max_queued_requests)
+        while pending and engine.num_waiting < depth:
+            rid, prompt_ids, params = pending.popleft()
+            engine.add_request(rid, prompt_ids, params)
 
     def generate_stream(
         self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, sampling_params=None
     ) -> Iterator[RequestOutput]:
         """Yield RequestOutput deltas as the engine produces them (request ids `llm-N`)."""
-        ids = set(self._submit(prompts, sampling_params))
+        pending = self._prepare(prompts, sampling_params)
+        ids = {rid for rid, _, _ in pending}
         while ids:
+            self._feed(pending)
             for out in self.engine.step():
                 if out.request_id in ids:
                     yield out
@@ -75,8 +91,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[GenerationResult]:
         """Run prompts to completion; one GenerationResult per prompt, in order."""
-        ids = self._submit(prompts, sampling_params)
-        prompt_ids = {rid: list(self.engine.requests[rid].prompt_ids) for rid in ids}
+        pending = self._prepare(prompts, sampling_params)
+        ids = [rid for rid, _, _ in pending]
+        prompt_ids = {rid: p for rid, p, _ in pending}
         texts = {rid: [] for rid in ids}
         logprobs = {rid: [] for rid in ids}
         results: dict[str, GenerationResult] = {}
@@ -86,6 +103,7 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         while len(results) < len(ids):
+            self._feed(pending)
             for out in self.engine.step():
                 rid = out.request_id
                 if rid not in texts:

@@ -72,10 +72,35 @@ def test_streamed_stop_strings_hold_back_only_a_possible_stop(llm):
 
 
 def test_bad_prompt_in_a_batch_rejects_the_call_and_leaves_nothing(llm):
+    llm.engine.drain()  # an earlier call may have left its last step in flight
+    generated = llm.engine.tokens_generated
     with pytest.raises(ValueError, match="empty prompt"):
         llm.generate(["fine", ""], SamplingParams(max_new_tokens=4))
-    assert not llm.engine.has_work()
+    # The bad prompt comes last, after more prompts than the engine's queue is kept at: all
+    # are checked before any is queued, so nothing ran.
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 6, 7]] * 200 + [[10**9]], SamplingParams(max_new_tokens=4))
+    assert not llm.engine.has_work() and llm.engine.tokens_generated == generated
     llm.engine.check_integrity()
+
+
+def test_a_call_takes_more_prompts_than_the_engine_queues():
+    """An evaluation set larger than max_queued_requests: the call feeds the engine a few at a
+    time and returns every result in order, as generating each prompt alone does."""
+    with LLM(None, max_running_requests=2, max_queued_requests=3, max_context_len=128, kv_cache_tokens=512,
+             page_size=8) as small:
+        prompts = [f"Story number {i}:" for i in range(11)] + [[5, 6, 7 + i] for i in range(4)]
+        params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        results = small.generate(prompts, params)
+        alone = [small.generate([p], params)[0] for p in prompts[:3] + prompts[-2:]]
+        assert [r.token_ids for r in results[:3] + results[-2:]] == [r.token_ids for r in alone]
+        assert all(len(r.token_ids) == 5 for r in results)
+        assert results[0].prompt_token_ids == small.tokenizer.encode(prompts[0])
+        streamed = {}
+        for d in small.generate_stream(prompts, params):
+            streamed.setdefault(d.request_id, []).extend(d.new_token_ids)
+        assert sorted(map(tuple, streamed.values())) == sorted(tuple(r.token_ids) for r in results)
+        small.engine.check_integrity()
 
 
 def test_llm_as_a_context_manager_closes_its_engine():
