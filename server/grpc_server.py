@@ -33,10 +33,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxove
 REQUEST_ID_METADATA = "jaxoverlap-request-id"
 SERVER_VERSION = "0.1.0"
 MAX_REQUEST_ID_LEN = 256
-# Text prompts are tokenized by the handler, never on the engine's thread (where a burst of
-# long prompts would hold back the next step's launch: 5 ms for an 8k-token text on this
-# machine's CPU). Longer texts go to a worker thread, through the tokenizer's batch call,
-# which releases the GIL, so neither the event loop nor the engine thread waits for them.
+# Text prompts are tokenized by the handler, never on the engine's thread, where a burst of
+# long prompts would hold back the next step's launch (1.0 ms for a 1900-token text on a
+# 2-core CPU, benchmarks/host_text_bench.py). Longer texts go to a worker thread,
+# through the tokenizer's batch call, which releases the GIL, so neither the event loop nor
+# the engine thread waits for them.
 INLINE_TOKENIZE_MAX_CHARS = 2048
 
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
