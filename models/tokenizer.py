@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 import tokenizers
 
-try:  # tokenizers >= 0.21; with prompt ids and lists of ids since 0.22
+try:  # newer tokenizers releases; the ones the engine uses take prompt ids and lists of ids
     from tokenizers.decoders import DecodeStream as _DecodeStream
 except ImportError:
     _DecodeStream = None
