@@ -45,12 +45,11 @@ def loop_totals(worker) -> dict:
 
 
 def per_decode(before: dict, after: dict) -> dict:
-    d = {k: after[k] - before[k] for k in after}
-    n = max(1, d["decode_iterations"])
-    return {"decode_iterations": d["decode_iterations"],
-            "host_ms_per_decode": 1e3 * (d["prepare_s"] + d["launch_s"] + d["process_s"]) / n,
-            "wait_ms_per_decode": 1e3 * d["wait_s"] / n,
-            "host_bound_share": d["host_bound_iterations"] / n}
+    """Host ms, device wait ms and host-bound share per decode iteration, as `jaxoverlap bench`
+    reports them for a server."""
+    from jaxoverlap.server.bench import engine_summary
+
+    return engine_summary({k: after[k] - before[k] for k in after}) or {}
 
 
 def run_offline(worker, args, seed: int) -> dict:

@@ -11,6 +11,9 @@ Modelled on the usual serving benchmarks (SGLang's bench_serving, JetStream's be
 * per request we time the first chunk (TTFT), the gaps between chunks (ITL), and the whole call;
   TPOT is (latency - TTFT) / (output tokens - 1). We report throughput (output tokens/s,
   requests/s), TTFT/TPOT/ITL/E2E (mean, median, p99) and the server-reported accept length;
+* from each jaxoverlap server it also reads the engine loop's totals before and after the timed
+  runs (GetServerInfo), and reports per decode step the engine's host time, its wait for the
+  device and the share of steps where the device may have waited for the host;
 * two targets can be compared on the same prompts and arrival schedule, one after the other
   ("sequential") or in alternating blocks ("alternating", which spreads slow drifts such as
   thermal throttling or a shared host's noise evenly over both), with a side-by-side table.
@@ -283,6 +286,32 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict:
     }
 
 
+_LOOP_KEYS = ("decode_iterations", "prepare_s", "launch_s", "process_s", "wait_s", "host_bound_iterations")
+
+
+async def _loop_totals(client) -> dict | None:
+    """The server's engine loop totals (Engine.stats()["loop"]), or None if it reports none."""
+    try:
+        loop = (await client.server_info(timeout=10))["stats"].get("loop")
+    except grpc.RpcError:
+        return None
+    return {k: loop[k] for k in _LOOP_KEYS} if loop and all(k in loop for k in _LOOP_KEYS) else None
+
+
+def engine_summary(delta: dict | None) -> dict | None:
+    """Per decode iteration of the server's engine loop over the timed runs: the host's time
+    (prepare + launch + process), the wait for the device, and the share of iterations that
+    found the previous step already done (the device may have waited for the host). Counts
+    every client's traffic, so it is this run's only while nothing else uses the server."""
+    if not delta or delta["decode_iterations"] <= 0:
+        return None
+    n = delta["decode_iterations"]
+    return {"decode_iterations": n,
+            "host_ms_per_decode": 1e3 * (delta["prepare_s"] + delta["launch_s"] + delta["process_s"]) / n,
+            "wait_ms_per_decode": 1e3 * delta["wait_s"] / n,
+            "host_bound_share": delta["host_bound_iterations"] / n}
+
+
 # ---- reporting ----------------------------------------------------------------------------------
 
 _ROWS = [
@@ -302,18 +331,26 @@ _DIST_ROWS = [("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL (ms)", "
 _HIGHER_IS_BETTER = {"request_throughput", "output_throughput", "total_token_throughput", "completed", "accept_length"}
 
 
-def _flat_rows(summary: dict) -> list[tuple[str, str, float]]:
+_ENGINE_ROWS = [("Engine host time per decode step (ms)", "host_ms_per_decode"),
+                ("Engine device wait per decode step (ms)", "wait_ms_per_decode"),
+                ("Engine host-bound decode steps (share)", "host_bound_share")]
+
+
+def _flat_rows(summary: dict, engine_rows: bool = True) -> list[tuple[str, str, float]]:
     rows = [(label, key, float(summary[key])) for label, key, _ in _ROWS]
     for label, key in _DIST_ROWS:
         for stat in ("mean", "median", "p99"):
             rows.append((f"{stat.capitalize()} {label}", f"{key}.{stat}", float(summary[key][stat])))
+    if engine_rows:
+        rows += [(label, f"engine.{key}", float(summary["engine"][key])) for label, key in _ENGINE_ROWS]
     return rows
 
 
 def format_table(summaries: dict[str, dict]) -> str:
     """One column per target; with two targets, a last column with B relative to A."""
     labels = list(summaries)
-    per = {name: _flat_rows(s) for name, s in summaries.items()}
+    engine_rows = all(s.get("engine") for s in summaries.values())  # servers that report their loop
+    per = {name: _flat_rows(s, engine_rows) for name, s in summaries.items()}
     width = max(len(r[0]) for r in next(iter(per.values())))
     colw = max(14, *(len(n) for n in labels))
     head = f"{'Metric':<{width}}  " + "  ".join(f"{n:>{colw}}" for n in labels)
@@ -418,6 +455,7 @@ async def benchmark(cfg: BenchConfig) -> dict:
             pbar = tqdm(total=n * len(clients), desc="bench", unit="req", file=sys.stderr)
         results: list[list[RequestResult]] = [[] for _ in clients]
         durations = [0.0 for _ in clients]
+        loop_deltas: list = [None for _ in clients]  # summed engine loop totals per target (False: none)
         for b, (lo, hi) in enumerate(blocks):
             # Swap the order every block so neither target always runs first.
             order = list(range(len(clients))) if b % 2 == 0 else list(reversed(range(len(clients))))
@@ -425,10 +463,17 @@ async def benchmark(cfg: BenchConfig) -> dict:
                 order = list(range(len(clients)))
             for k in order:
                 base = offsets[lo]
+                before = await _loop_totals(clients[k])
                 res, dur = await run_load(clients[k], requests[lo:hi], [o - base for o in offsets[lo:hi]], sampling,
                                           cfg.max_concurrency, cfg.timeout, pbar)
+                after = await _loop_totals(clients[k])
                 results[k].extend(res)
                 durations[k] += dur
+                if before is None or after is None or loop_deltas[k] is False:
+                    loop_deltas[k] = False  # this server reports no loop totals
+                else:
+                    loop_deltas[k] = {key: (loop_deltas[k] or {}).get(key, 0) + after[key] - before[key]
+                                      for key in _LOOP_KEYS}
         if pbar is not None:
             pbar.close()
     finally:
@@ -436,6 +481,8 @@ async def benchmark(cfg: BenchConfig) -> dict:
             await c.close()
 
     summaries = {label: summarize(res, dur) for label, res, dur in zip(labels, results, durations)}
+    for label, delta in zip(labels, loop_deltas):
+        summaries[label]["engine"] = engine_summary(delta or None)
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)

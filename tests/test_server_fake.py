@@ -442,6 +442,8 @@ def test_bench_compare_two_targets(served, tmp_path, capsys):
         [q["planned_output_len"] for q in report["requests"]["right"]]
     printed = capsys.readouterr().out
     assert "left" in printed and "right" in printed and "vs left" in printed
+    # The fake engine reports no loop totals: no engine rows, and no error.
+    assert report["results"]["left"]["engine"] is None and "Engine host time" not in printed
     _wait_idle(client)
 
 

@@ -405,6 +405,21 @@ def test_metrics_export_the_engine_loop(env):
     assert "jaxoverlap_engine_host_bound_iterations_total" in after
 
 
+def test_bench_reports_the_servers_engine_loop(env):
+    """`jaxoverlap bench` reads the engine's loop totals before and after its timed runs: host
+    time and device wait per decode step, and the host-bound share, in the report and table."""
+    from jaxoverlap.server import bench
+
+    cfg = bench.BenchConfig(targets=[env["main"].target], num_prompts=6, input_len="8", output_len="6",
+                            max_concurrency=3, progress=False, warmup_requests=0)
+    report = asyncio.run(bench.benchmark(cfg))
+    engine = report["results"]["result"]["engine"]
+    assert engine["decode_iterations"] >= 5  # 6 tokens per request: 5+ decode steps each, batched
+    assert engine["host_ms_per_decode"] > 0 and engine["wait_ms_per_decode"] > 0
+    assert 0 <= engine["host_bound_share"] <= 1
+    assert "Engine host time per decode step (ms)" in bench.format_table(report["results"])
+
+
 # ---- the `jaxoverlap serve` command -------------------------------------------------------------
 
 
