@@ -159,3 +159,53 @@ def test_consumer_side_text_equals_the_engines(llm):
 def test_stop_strings_need_the_engines_text():
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_text_workloads_identical_with_and_without_overlap(llm, seed):
+    """Text prompts, stop strings (with and without a leading space), greedy and seeded rows,
+    staggered arrivals: the overlap loop gives the normal loop's ids, finish reasons and
+    text; no text holds a stop string; text is the decoded ids, cut at the first stop string."""
+    import numpy as np
+
+    words = "the a cat dog ran sat on mat and then it was over . , ! once upon time there lived king".split()
+    rng = np.random.default_rng(seed)
+    engine, tok = llm.engine, llm.tokenizer
+    reqs = []
+    for i in range(8):
+        stop = tuple(str(w) if rng.random() < 0.5 else " " + str(w) for w in rng.choice(words, int(rng.integers(0, 3))))
+        params = SamplingParams(max_new_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.8])),
+                                seed=int(rng.integers(0, 2**31)), stop=stop, ignore_eos=bool(rng.random() < 0.5))
+        reqs.append((" ".join(rng.choice(words, int(rng.integers(1, 12)))), params, int(rng.integers(0, 10))))
+
+    def run(overlap):
+        engine.drain()
+        engine.set_overlap(overlap)
+        texts, finals, it = {}, {}, 0
+        while it < 10 or engine.has_work():
+            for i, (prompt, params, arrive) in enumerate(reqs):
+                if arrive == it:
+                    engine.add_request(f"w{seed}-{i}-{overlap}", prompt, params)
+            for out in engine.step():
+                key = int(out.request_id.split("-")[1])
+                texts[key] = texts.get(key, "") + out.new_text
+                if out.finished:
+                    finals[key] = (out.token_ids, out.finish_reason, texts[key])
+            it += 1
+        return finals
+
+    try:
+        with_overlap, normal = run(True), run(False)
+    finally:
+        engine.set_overlap(True)
+    assert with_overlap == normal
+    for i, (ids, reason, text) in with_overlap.items():
+        stops = reqs[i][1].stop
+        assert not any(s in text for s in stops)
+        full = tok.decode(ids)
+        hits = [j for s in stops if (j := full.find(s)) >= 0]
+        if reason == "stop" and hits:
+            assert text == full[: min(hits)]
+        elif reason == "length":
+            assert text == full
+    engine.check_integrity()
