@@ -33,3 +33,21 @@ def _unfreeze_gc():
     import gc
 
     gc.unfreeze()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """XLA:CPU maps about three memory regions per compiled program and keeps them while
+    JAX's caches hold the program. The whole suite compiles thousands of programs in one
+    process, and a Linux process may hold at most vm.max_map_count (65530 by default) maps:
+    past it, the next compile crashed (SIGSEGV in backend_compile_and_load, late in a full
+    run). So each module's programs are dropped once the module is done, after its own
+    fixtures (their engines) are gone."""
+    yield
+    import gc
+
+    import jax
+
+    gc.unfreeze()
+    gc.collect()
+    jax.clear_caches()
