@@ -81,13 +81,22 @@ class LLM:
         """Yield RequestOutput deltas as the engine produces them (request ids `llm-N`)."""
         pending = self._prepare(prompts, sampling_params)
         ids = {rid for rid, _, _ in pending}
-        while ids:
-            self._feed(pending)
-            for out in self.engine.step():
-                if out.request_id in ids:
-                    yield out
-                    if out.finished:
-                        ids.discard(out.request_id)
+        try:
+            while ids:
+                self._feed(pending)
+                for out in self.engine.step():
+                    if out.request_id in ids:
+                        yield out
+                        if out.finished:
+                            ids.discard(out.request_id)
+        finally:  # the caller stopped early (break, close, an exception): nothing of this call runs on
+            self._abandon(ids)
+
+    def _abandon(self, ids) -> None:
+        """Abort the call's requests that have not finished, so that a call given up (a loop
+        left early, Ctrl-C in a notebook) leaves no work behind in the engine."""
+        for rid in ids:
+            self.engine.abort(rid)  # False for those never queued or already done
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[GenerationResult]:
         """Run prompts to completion; one GenerationResult per prompt, in order."""
@@ -102,23 +111,26 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while len(results) < len(ids):
-            self._feed(pending)
-            for out in self.engine.step():
-                rid = out.request_id
-                if rid not in texts:
-                    continue
-                texts[rid].append(out.new_text)
-                if out.new_logprobs is not None:
-                    logprobs[rid].extend(out.new_logprobs)
-                if out.finished:
-                    results[rid] = GenerationResult(
-                        request_id=rid, prompt_token_ids=prompt_ids[rid], token_ids=out.token_ids,
-                        text="".join(texts[rid]), finish_reason=out.finish_reason, metrics=out.metrics,
-                        logprobs=logprobs[rid] if out.new_logprobs is not None else None,
-                    )
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while len(results) < len(ids):
+                self._feed(pending)
+                for out in self.engine.step():
+                    rid = out.request_id
+                    if rid not in texts:
+                        continue
+                    texts[rid].append(out.new_text)
+                    if out.new_logprobs is not None:
+                        logprobs[rid].extend(out.new_logprobs)
+                    if out.finished:
+                        results[rid] = GenerationResult(
+                            request_id=rid, prompt_token_ids=prompt_ids[rid], token_ids=out.token_ids,
+                            text="".join(texts[rid]), finish_reason=out.finish_reason, metrics=out.metrics,
+                            logprobs=logprobs[rid] if out.new_logprobs is not None else None,
+                        )
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            self._abandon(rid for rid in ids if rid not in results)
+            if bar is not None:
+                bar.close()
         return [results[rid] for rid in ids]

@@ -209,3 +209,38 @@ def test_random_text_workloads_identical_with_and_without_overlap(llm, seed):
         elif reason == "length":
             assert text == full
     engine.check_integrity()
+
+
+def test_a_call_given_up_leaves_no_work_behind(llm):
+    """Leaving generate_stream early, or an exception (Ctrl-C in a notebook) inside generate,
+    aborts the call's unfinished requests: the engine drains to nothing of them."""
+    engine = llm.engine
+    engine.drain()
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    stream = llm.generate_stream([f"Tale {i}" for i in range(6)], params)
+    for _, _ in zip(range(3), stream):
+        pass
+    stream.close()
+    finals = {o.request_id: o.finish_reason for o in engine.drain() if o.finished}
+    assert finals and set(finals.values()) == {"abort"}
+    assert not engine.requests and not engine.has_work()
+
+    step, calls = engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted_step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([f"Fable {i}" for i in range(6)], params)
+    finally:
+        del engine.step
+    finals = {o.request_id: o.finish_reason for o in engine.drain() if o.finished}
+    assert finals and set(finals.values()) == {"abort"} and not engine.requests
+    engine.check_integrity()
+    [res] = llm.generate(["Hello"], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(res.token_ids) == 3  # and the LLM goes on serving
