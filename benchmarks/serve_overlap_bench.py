@@ -104,7 +104,7 @@ def main():
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--switch-interval", type=float, default=0.0002, help="seconds, for the serve_si variant")
-    ap.add_argument("--rounds", type=int, default=2, help="A B C C B A: each variant runs 2 x rounds / 2 times")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the variants, every other one reversed (2: A B C C B A)")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="serve_overlap_bench.json")

@@ -227,9 +227,8 @@ class _OutputQueue:
 
 
 def _tokenize_long(tokenizer, text: str) -> list[int]:
-    """For a worker thread: the batch call where the tokenizer has one (it releases the GIL)."""
-    encode_batch = getattr(tokenizer, "encode_batch", None)
-    return encode_batch([text])[0] if encode_batch is not None else tokenizer.encode(text)
+    """For a worker thread: the batch call, which releases the GIL (the single encode does not)."""
+    return tokenizer.encode_batch([text])[0]
 
 
 class GenerationServicer:
