@@ -14,6 +14,10 @@ turn A B C C B A so that drifts spread over all of them:
   serve_si    through the server with `sys.setswitchinterval(--switch-interval)`: how long the
               engine's thread may wait for the GIL when the event loop holds it as the device
               finishes a step.
+  serve_process  through a second server whose engine runs in a process of its own
+              (EngineProcess, what `jaxoverlap serve` runs): no GIL shared with the server.
+              Two engines are then built, one per process; each may take
+              XLA_PYTHON_CLIENT_MEM_FRACTION of the GPU (set to 0.45 here unless given).
 
 Per run: output tokens/s over the run, and from the engine's loop totals (Engine.stats()
 ["loop"]) per decode iteration: host ms (prepare + launch + process), device wait ms, and
@@ -40,8 +44,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import QWEN3_8B, TINY, ensure_importable, model_dir, print_table, write_results  # noqa: E402
 
 
+def engine_loop_totals(engine) -> dict:
+    return dataclasses.asdict(engine.loop_totals)
+
+
 def loop_totals(worker) -> dict:
-    return worker.call_sync(lambda engine: dataclasses.asdict(engine.loop_totals))
+    return worker.call_sync(engine_loop_totals)
 
 
 def per_decode(before: dict, after: dict) -> dict:
@@ -108,12 +116,18 @@ def main():
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="serve_overlap_bench.json")
+    ap.add_argument("--no-process", action="store_true", help="leave out the serve_process variant")
     args = ap.parse_args()
+    if not args.no_process:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # two engines on one GPU
     ensure_importable()
+    import functools
+
     import jax
 
     from jaxoverlap.config import EngineConfig
-    from jaxoverlap.engine import Engine
+    from jaxoverlap.server.cli_commands import build_engine
+    from jaxoverlap.server.engine_process import EngineProcess
     from jaxoverlap.server.engine_worker import EngineWorker
     from jaxoverlap.server.testing import ServerThread
 
@@ -128,15 +142,23 @@ def main():
     # the served runs batch their prefills differently from the offline ones, and a compile in
     # a timed run would also make XLA drop the recorded graphs of the others.
     gpu = jax.default_backend() == "gpu"
-    worker = EngineWorker(engine_factory=lambda: Engine(config), precompile=gpu, precompile_prefill=gpu).start()
+    factory = functools.partial(build_engine, config)
+    worker = EngineWorker(engine_factory=factory, precompile=gpu, precompile_prefill=gpu).start()
     server = ServerThread(worker).start()
+    workers = {"serve": worker, "serve_si": worker}
+    servers = {"serve": server, "serve_si": server}
+    if not args.no_process:
+        workers["serve_process"] = EngineProcess(factory, precompile=gpu, precompile_prefill=gpu).start()
+        servers["serve_process"] = ServerThread(workers["serve_process"]).start()
     print(f"device {jax.devices()[0].device_kind}; engine and server ready in {time.perf_counter() - t0:.1f} s",
           flush=True)
     default_si = sys.getswitchinterval()
     run_offline(worker, args, seed=1)  # compiles the prefill programs and the rest
-    run_served(worker, server.target, args, seed=1)
+    for name in ("serve", "serve_process"):
+        if name in workers:
+            run_served(workers[name], servers[name].target, args, seed=1)
 
-    order = ["offline", "serve", "serve_si"]
+    order = ["offline", *workers]
     sequence = [v for r in range(args.rounds) for v in (order if r % 2 == 0 else order[::-1])]
     rows = []
     for i, variant in enumerate(sequence):
@@ -145,7 +167,7 @@ def main():
             if variant == "offline":
                 res = run_offline(worker, args, seed=100 + i)
             else:
-                res = run_served(worker, server.target, args, seed=100 + i)
+                res = run_served(workers[variant], servers[variant].target, args, seed=100 + i)
         finally:
             sys.setswitchinterval(default_si)
         rows.append({"run": i, "variant": variant, "switch_interval_ms":
@@ -153,8 +175,10 @@ def main():
         print_table(rows[-1:], ["run", "variant", "switch_interval_ms", "output_tok_s", "host_ms_per_decode",
                                 "wait_ms_per_decode", "host_bound_share", "itl_median_ms", "itl_p99_ms"])
         write_results(args.out, args, rows)
-    server.stop()
-    worker.stop()
+    for name in ("serve", "serve_process"):
+        if name in workers:
+            servers[name].stop()
+            workers[name].stop()
     print("\nsummary")
     print_table(rows, ["run", "variant", "switch_interval_ms", "output_tok_s", "decode_iterations",
                        "host_ms_per_decode", "wait_ms_per_decode", "host_bound_share", "ttft_median_ms",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -62,10 +63,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--shutdown-grace", type=float, default=30.0,
          help="seconds to let in-flight requests finish on SIGTERM/SIGINT (default 30)")
     _add(g, "--no-warmup", action="store_true", help="skip the compile warmup request before serving")
+    _add(g, "--engine-thread", action="store_true",
+         help="run the engine on a thread of the server's process instead of a process of its own "
+              "(they then share one GIL, and the server's per-stream Python delays the engine's steps)")
     _add(g, "--precompile", choices=("auto", "on", "all", "off"), default="auto",
          help="compile every decode batch bucket before serving (auto: on GPU only); all: every prefill "
               "bucket too, so that no request compiles")
     return parser
+
+
+def build_engine(config):
+    """The serve command's engine factory (module-level: an EngineProcess sends it to its child)."""
+    from jaxoverlap.engine import Engine
+
+    return Engine(config)
 
 
 def run_serve(args, engine_options: dict) -> int:
@@ -83,19 +94,16 @@ def run_serve(args, engine_options: dict) -> int:
     # which a burst of arrivals exceeds easily, so the engine keeps its default.
     server_max_queued = opts.pop("max_queued_requests", None)
     config = EngineConfig.from_options(model, **opts)
-
-    def build():
-        from jaxoverlap.engine import Engine
-
-        return Engine(config)
-
     precompile = getattr(args, "precompile", "auto")
-    if precompile == "auto":
-        import jax
+    worker_options = dict(warmup=not getattr(args, "no_warmup", False),
+                          precompile={"on": True, "all": True, "off": False}.get(precompile, "auto"),
+                          precompile_prefill=precompile == "all")
+    if getattr(args, "engine_thread", False):
+        worker = EngineWorker(engine_factory=functools.partial(build_engine, config), **worker_options)
+    else:
+        from jaxoverlap.server.engine_process import EngineProcess
 
-        precompile = "on" if jax.default_backend() == "gpu" else "off"
-    worker = EngineWorker(engine_factory=build, warmup=not getattr(args, "no_warmup", False),
-                          precompile=precompile in ("on", "all"), precompile_prefill=precompile == "all")
+        worker = EngineProcess(functools.partial(build_engine, config), **worker_options)
     t0 = time.perf_counter()
     print(f"loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
     worker.start()

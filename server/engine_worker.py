@@ -75,8 +75,10 @@ class EngineWorker:
 
     `warmup` (True or a SamplingParams-like max_new_tokens count) runs one short request through
     the engine before `start()` returns, so that the first client does not pay for compilation.
-    `precompile` also compiles every decode batch bucket (Engine.warmup) before then, and
-    `precompile_prefill` every prefill bucket with them.
+    `precompile` (True, or "auto" for a GPU only) also compiles every decode batch bucket
+    (Engine.warmup) before then, and `precompile_prefill` every prefill bucket with them.
+    `jaxoverlap serve` runs the engine in a process of its own instead (EngineProcess, same
+    methods): on a thread here, the engine's loop shares the GIL with the server.
     """
 
     def __init__(self, engine=None, *, engine_factory: Callable[[], Any] | None = None, warmup: bool = False,
@@ -171,7 +173,7 @@ class EngineWorker:
         return fut
 
     async def stats(self) -> dict:
-        return await self.call(lambda e: e.stats())
+        return await self.call(engine_stats)
 
     def _unavailable_reason(self) -> str:
         if self.dead_error is not None:
@@ -184,12 +186,7 @@ class EngineWorker:
         try:
             if self._engine is None:
                 self._engine = self._factory()
-            if self._warmup:
-                self._run_warmup()
-            if self._precompile:
-                t = time.perf_counter()
-                n = len(self._engine.warmup(prefill=self._precompile_prefill))
-                logger.info("compiled %d programs in %.1f s", n, time.perf_counter() - t)
+            prepare_engine(self._engine, self._warmup, self._precompile, self._precompile_prefill)
         except BaseException as e:  # noqa: BLE001 - reported to start()
             self._start_error = e
             self._ready.set()
@@ -204,17 +201,6 @@ class EngineWorker:
             # Keep refusing commands that raced with the crash, so no caller waits forever.
             while (cmd := self._commands.get()) is not _STOP:
                 _refuse(cmd, WorkerUnavailableError(f"engine thread died: {e!r}"))
-
-    def _run_warmup(self) -> None:
-        from jaxoverlap.sampling_params import SamplingParams
-
-        engine = self._engine
-        n = self._warmup if isinstance(self._warmup, int) and not isinstance(self._warmup, bool) else 4
-        engine.add_request("__warmup__", [0, 1, 2, 3], SamplingParams(max_new_tokens=n, temperature=0.0,
-                                                                        ignore_eos=True))
-        deadline = time.monotonic() + 600
-        while engine.has_work() and time.monotonic() < deadline:
-            engine.step()
 
     def _loop(self) -> None:
         engine = self._engine
@@ -336,6 +322,35 @@ class EngineWorker:
                 loop.call_soon_threadsafe(_dispatch, items)
             except RuntimeError:
                 pass
+
+
+def engine_stats(engine) -> dict:
+    """fn(engine) for `call`: module-level, so an EngineProcess can send it too."""
+    return engine.stats()
+
+
+def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=False) -> None:
+    """What a worker does with its engine before it serves: `precompile` compiles every decode
+    batch bucket (Engine.warmup; "auto": on a GPU only), `precompile_prefill` every prefill
+    bucket too, and `warmup` (True, or a number of new tokens) runs one short request through
+    the engine, so that the first client does not pay for compilation."""
+    if precompile == "auto":
+        import jax
+
+        precompile = jax.default_backend() == "gpu"
+    if warmup:
+        from jaxoverlap.sampling_params import SamplingParams
+
+        n = warmup if isinstance(warmup, int) and not isinstance(warmup, bool) else 4
+        engine.add_request("__warmup__", [0, 1, 2, 3], SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                                        ignore_eos=True))
+        deadline = time.monotonic() + 600
+        while engine.has_work() and time.monotonic() < deadline:
+            engine.step()
+    if precompile:
+        t = time.perf_counter()
+        n = len(engine.warmup(prefill=bool(precompile_prefill)))
+        logger.info("compiled %d programs in %.1f s", n, time.perf_counter() - t)
 
 
 def _refuse(cmd, error: BaseException) -> None:

@@ -172,6 +172,12 @@ def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 # ---- the service --------------------------------------------------------------------------------
 
 
+def _engine_tokenizer(engine):
+    """The engine's tokenizer, for the handlers' own tokenizer work (a module-level function,
+    so that an EngineProcess can send it to the engine's process; its answer is pickled back)."""
+    return getattr(engine, "tokenizer", None)
+
+
 def _read_model_info(engine) -> dict:
     """Static facts about the engine (run once on the engine thread)."""
     tok = engine.tokenizer
@@ -523,7 +529,7 @@ class GenerationServer:
         from jaxoverlap.server.metrics import ServerMetrics
 
         info = await self.worker.call(_read_model_info)
-        tokenizer = await self.worker.call(lambda engine: getattr(engine, "tokenizer", None))
+        tokenizer = await self.worker.call(_engine_tokenizer)
         if self.requested_metrics_port:
             self.metrics = ServerMetrics(self.worker, self)
         self.servicer = GenerationServicer(self.worker, info, self.metrics, self.max_queued_requests, tokenizer)

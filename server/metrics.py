@@ -12,6 +12,8 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxoverlap.server.engine_worker import engine_stats
+
 logger = logging.getLogger(__name__)
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -60,7 +62,7 @@ class _EngineCollector:
     def collect(self):
         fams = self._families()
         try:
-            stats = self._worker.call_sync(lambda e: e.stats(), timeout=self._timeout)
+            stats = self._worker.call_sync(engine_stats, timeout=self._timeout)
         except Exception:  # noqa: BLE001 - a scrape must not raise; report the engine as down
             fams["up"].add_metric([], 0)
             yield fams["up"]

@@ -84,10 +84,11 @@ class FakeEngine:
 
     Generated token i of a request is `3 + (sum(prompt) + i) % 26` (letters 'a'..'z' after
     decoding) unless `eos_after` makes it emit EOS. `step_delay` sleeps inside step() to mimic
-    device time.
+    device time; `crash_after_tokens` makes step() raise, as a failing device would.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, step_delay: float = 0.0, eos_after: int | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, step_delay: float = 0.0, eos_after: int | None = None,
+                 crash_after_tokens: int | None = None):
         self.config = config or EngineConfig(max_running_requests=8, max_context_len=64, kv_cache_tokens=1024)
         self.tokenizer = FakeTokenizer()
         self.model_config = FakeModelConfig()
@@ -95,6 +96,7 @@ class FakeEngine:
         self.max_context_len = self.config.max_context_len or 64
         self.step_delay = step_delay
         self.eos_after = eos_after
+        self.crash_after_tokens = crash_after_tokens  # step() raises once this many tokens were made
         self._waiting: collections.deque[_FakeRequest] = collections.deque()
         self._running: dict[str, _FakeRequest] = {}
         self._all: dict[str, _FakeRequest] = {}
@@ -142,6 +144,8 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         self._touch()
+        if self.crash_after_tokens is not None and self.tokens_generated >= self.crash_after_tokens:
+            raise RuntimeError("device on fire")
         if self.step_delay:
             time.sleep(self.step_delay)
         outs = []

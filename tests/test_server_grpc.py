@@ -1,12 +1,16 @@
 """The gRPC server over the real engine and the embedded tiny model, on 127.0.0.1.
 
 One engine (and so one round of compilation) serves the whole module: the plain server, a
-token-protected one and a queue-limited one all share its EngineWorker.
+token-protected one and a queue-limited one all share its worker. The module runs twice: with
+the engine on a thread of this process (EngineWorker) and in a process of its own
+(EngineProcess, what `jaxoverlap serve` runs).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import operator
 import os
 import random
 import time
@@ -38,13 +42,18 @@ def _model_path():
     return None
 
 
-@pytest.fixture(scope="module")
-def env():
+@pytest.fixture(scope="module", params=["thread", "process"])
+def env(request):
     from jaxoverlap.config import EngineConfig
-    from jaxoverlap.engine import Engine
+    from jaxoverlap.server.cli_commands import build_engine
+    from jaxoverlap.server.engine_process import EngineProcess
 
     config = EngineConfig.from_options(_model_path(), **ENGINE_OPTIONS)
-    worker = EngineWorker(engine_factory=lambda: Engine(config), warmup=True).start(timeout=240)
+    factory = functools.partial(build_engine, config)
+    if request.param == "thread":
+        worker = EngineWorker(engine_factory=factory, warmup=True).start(timeout=240)
+    else:
+        worker = EngineProcess(factory, warmup=True).start(timeout=240)
     main = ServerThread(worker).start()
     authed = ServerThread(worker, auth_token=TOKEN).start()
     client = GenerationClient(main.target, timeout=60)
@@ -70,9 +79,9 @@ def _wait_idle(env, timeout=20.0):
         raise AssertionError(f"server not idle after {timeout}s: {info}")
     # has_work() stays true for one more step after an abort; let the worker finish it.
     worker = env["worker"]
-    while worker.call_sync(lambda e: e.has_work(), timeout=10) and time.monotonic() < deadline:
+    while worker.call_sync(operator.methodcaller("has_work"), timeout=10) and time.monotonic() < deadline:
         time.sleep(0.01)
-    worker.call_sync(lambda e: e.check_integrity(), timeout=10)
+    worker.call_sync(operator.methodcaller("check_integrity"), timeout=10)
     return info
 
 
@@ -104,7 +113,7 @@ def test_generate_text_streams(env):
     # The handler made this text from the ids (no stop strings): it is what the engine's
     # own decoding gives, here all of the output decoded.
     full = client.generate_text("Once upon a time", max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    tokenizer = env["worker"].call_sync(lambda e: e.tokenizer)
+    tokenizer = env["worker"].call_sync(operator.attrgetter("tokenizer"))
     assert full.finish_reason == "length" and full.text == tokenizer.decode(full.token_ids)
 
 
@@ -423,8 +432,11 @@ def test_bench_reports_the_servers_engine_loop(env):
 # ---- the `jaxoverlap serve` command -------------------------------------------------------------
 
 
-def test_serve_command_drains_on_sigterm(tmp_path):
-    """`jaxoverlap serve` end to end: it serves, and SIGTERM lets a running stream finish."""
+@pytest.mark.parametrize("where", ["process", "thread"])
+def test_serve_command_drains_on_sigterm(tmp_path, where):
+    """`jaxoverlap serve` end to end: it serves, and a signal lets a running stream finish.
+    With the engine in a process of its own (the default) the signal is a terminal's Ctrl-C,
+    SIGINT to the whole process group, engine included; with the engine on a thread, SIGTERM."""
     import signal
     import subprocess
     import sys
@@ -433,9 +445,10 @@ def test_serve_command_drains_on_sigterm(tmp_path):
     cmd = [sys.executable, "-m", "jaxoverlap.cli", "serve", "--port", "0", "--no-warmup", "--metrics-port", "0",
            "--max-running-requests", "4", "--kv-cache-tokens", "1024", "--max-context-len", "128",
            "--page-size", "8", "--shutdown-grace", "60"] + (["--model", model] if model else [])
+    cmd += ["--engine-thread"] if where == "thread" else []
     err_path = tmp_path / "serve.err"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         target = None
@@ -449,7 +462,10 @@ def test_serve_command_drains_on_sigterm(tmp_path):
             assert c.health() == "SERVING"
             it = iter(c.generate([5, 6, 7], max_new_tokens=40, ignore_eos=True))
             first = next(it)
-            proc.send_signal(signal.SIGTERM)
+            if where == "process":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGTERM)
             rest = list(it)
             assert isinstance(rest[-1], Completion) and rest[-1].finish_reason == "length"
             assert len(first.token_ids) + sum(len(x.token_ids) for x in rest[:-1]) == 40
@@ -457,5 +473,5 @@ def test_serve_command_drains_on_sigterm(tmp_path):
         assert "draining" in err_path.read_text()
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
