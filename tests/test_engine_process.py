@@ -237,3 +237,38 @@ def test_calls_that_the_engine_process_cannot_run(pair, monkeypatch):
     with GenerationClient(servers["process"].target, timeout=30) as c:
         assert c.generate_text("ok", max_new_tokens=2).finish_reason == "length"
     assert process.alive
+
+
+def test_the_server_process_never_starts_a_jax_backend():
+    """On a GPU the engine's process must own the device: a backend started in the server's
+    process would take its memory (JAX preallocates). The whole serving path, the real engine
+    and its tokenizer included, runs here in a fresh interpreter that then reports whether
+    JAX started a backend."""
+    script = """
+import functools, json, urllib.request
+import jax._src.xla_bridge as xb
+from jaxoverlap.config import EngineConfig
+from jaxoverlap.server.cli_commands import build_engine
+from jaxoverlap.server.client import GenerationClient
+from jaxoverlap.server.engine_process import EngineProcess
+from jaxoverlap.server.testing import ServerThread
+config = EngineConfig.from_options(None, max_running_requests=4, kv_cache_tokens=1024, max_context_len=128,
+                                   page_size=8)
+worker = EngineProcess(functools.partial(build_engine, config)).start(timeout=240)
+st = ServerThread(worker, metrics_port=-1).start()
+with GenerationClient(st.target, timeout=120) as c:
+    text = c.generate_text("Once upon a time", max_new_tokens=4, temperature=0).text
+    info = c.server_info()
+metrics = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics").read().decode()
+st.stop()
+worker.stop()
+print(json.dumps({"text": text, "running": info["running_requests"], "up": "jaxoverlap_engine_up 1.0" in metrics,
+                  "backends": xb.backends_are_initialized()}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["text"] and res["running"] == 0 and res["up"]
+    assert res["backends"] is False
