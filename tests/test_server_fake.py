@@ -331,15 +331,8 @@ def test_shutdown_grace_expiry_aborts_the_rest():
     worker.stop()
 
 
-class _CrashingEngine(FakeEngine):
-    def step(self):
-        if self.tokens_generated >= 5:
-            raise RuntimeError("device on fire")
-        return super().step()
-
-
 def test_engine_crash_fails_requests_cleanly():
-    worker = EngineWorker(_CrashingEngine(step_delay=0.001)).start()
+    worker = EngineWorker(_fake(step_delay=0.001, crash_after_tokens=5)).start()
     st = ServerThread(worker).start()
     try:
         with GenerationClient(st.target, timeout=30) as c:
