@@ -18,6 +18,7 @@ import time
 import types
 
 import grpc
+import process_helpers
 import pytest
 
 from jaxoverlap.config import EngineConfig
@@ -218,15 +219,11 @@ def test_engine_process_ends_when_its_parent_dies():
     assert _gone(pid)
 
 
-def _a_lock(engine):
-    return threading.Lock()  # cannot be pickled
-
-
 def test_calls_that_the_engine_process_cannot_run(pair, monkeypatch):
     workers, servers = pair
     process = workers["process"]
     with pytest.raises(TypeError, match="cannot be sent back"):
-        process.call_sync(_a_lock, timeout=10)
+        process.call_sync(process_helpers.a_lock, timeout=10)
     # A function from a module that only this process has: the child cannot unpickle the
     # command, answers with the import error and keeps serving.
     module = types.ModuleType("only_in_the_parent")
