@@ -361,12 +361,16 @@ def _pack(out: RequestOutput) -> tuple:
 # ---- the child process ----------------------------------------------------------------------
 
 class _Sender:
-    """The child's sender thread: pickles and writes event lists while the loop waits for the
-    device (the wait releases the GIL)."""
+    """The child's sender thread: packs, pickles and writes event lists while the loop waits
+    for the device (the wait releases the GIL).
 
-    def __init__(self, conn):
+    Its queue holds at most `max_queued` lists: should the parent stop reading, the engine's
+    loop then blocks on `put` instead of piling up outputs without bound. Once the parent is
+    gone the thread keeps taking lists and drops them, so `put` never blocks for good."""
+
+    def __init__(self, conn, max_queued: int = 1024):
         self._conn = conn
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.Queue = queue.Queue(max_queued)
         self._thread = threading.Thread(target=self._run, name="jaxoverlap-sender", daemon=True)
         self._thread.start()
 
@@ -378,13 +382,16 @@ class _Sender:
         self._thread.join(30)
 
     def _run(self) -> None:
+        parent_gone = False
         while (events := self._queue.get()) is not None:
+            if parent_gone:
+                continue
             # A step's outputs are packed here, not on the loop's thread.
             events = [("out", [_pack(o) for o in e[1]]) if e[0] == "out" else e for e in events]
             try:
                 self._conn.send(events)
             except (OSError, ValueError):
-                return  # the parent is gone
+                parent_gone = True
             except Exception:  # noqa: BLE001 - never stop sending for one bad message
                 logger.exception("could not send %d events to the parent", len(events))
 

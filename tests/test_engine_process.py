@@ -269,3 +269,47 @@ print(json.dumps({"text": text, "running": info["running_requests"], "up": "jaxo
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["text"] and res["running"] == 0 and res["up"]
     assert res["backends"] is False
+
+
+class _Pipe:
+    """A stand-in for the child's end of the event pipe: blocks until released, or is broken."""
+
+    def __init__(self, broken: bool = False):
+        self.broken = broken
+        self.release = threading.Event()
+        self.sent = []
+
+    def send(self, events):
+        if self.broken:
+            raise BrokenPipeError("the parent is gone")
+        self.release.wait(30)
+        self.sent.append(events)
+
+
+def _put(sender, events, timeout=2.0) -> threading.Thread:
+    """sender.put(events) on a thread of its own, waited for up to `timeout`."""
+    t = threading.Thread(target=sender.put, args=(events,), daemon=True)
+    t.start()
+    t.join(timeout)
+    return t
+
+
+def test_the_senders_queue_is_bounded_and_never_blocks_once_the_parent_is_gone():
+    from jaxoverlap.server.engine_process import _Sender
+
+    # A parent that does not read: the loop blocks once the queue is full, and goes on when it reads.
+    pipe = _Pipe()
+    sender = _Sender(pipe, max_queued=3)
+    for i in range(4):  # one taken by the thread (blocked in send), three queued
+        assert not _put(sender, [("reply", i, True, None)]).is_alive()
+    blocked = _put(sender, [("reply", 4, True, None)], timeout=0.3)
+    assert blocked.is_alive()
+    pipe.release.set()
+    blocked.join(5)
+    assert not blocked.is_alive()
+    sender.close()
+    assert [e[0][1] for e in pipe.sent] == [0, 1, 2, 3, 4]
+    # A parent that is gone: everything put is dropped, and put never blocks.
+    sender = _Sender(_Pipe(broken=True), max_queued=2)
+    assert not any(_put(sender, [("reply", i, True, None)]).is_alive() for i in range(50))
+    sender.close()
