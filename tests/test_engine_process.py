@@ -3,7 +3,8 @@
 test_server_grpc.py runs the real engine through both workers; here we cover what needs
 control over the engine process: the same outputs as the in-thread worker, errors crossing
 the pipe with their types, a crashing engine, a killed engine process, a stop under a live
-stream, and a parent that dies without stopping its engine.
+stream, a parent that dies without stopping its engine, the child's bounded sender queue,
+and a server process that never starts a JAX backend.
 """
 from __future__ import annotations
 
