@@ -46,8 +46,8 @@ import traceback
 from typing import Any, Callable
 
 from jaxoverlap.outputs import RequestMetrics, RequestOutput
-from jaxoverlap.server.engine_worker import (DuplicateRequestError, Sink, WorkerUnavailableError, _dispatch,
-                                            engine_stats, prepare_engine)
+from jaxoverlap.server.engine_worker import (DuplicateRequestError, Sink, WorkerUnavailableError, abort_and_drain,
+                                            engine_stats, hand_over, prepare_engine)
 
 logger = logging.getLogger(__name__)
 
@@ -307,11 +307,7 @@ class EngineProcess:
                 out = RequestOutput(rid, new_ids, new_text, finished, reason, RequestMetrics(*metrics),
                                     new_logprobs, ids, len(ids))
                 by_loop[entry[0]].append((entry[1], out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_dispatch, items)
-            except RuntimeError:
-                pass  # that loop is closed: its consumers are gone
+        hand_over(by_loop)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
@@ -324,11 +320,7 @@ class EngineProcess:
         by_loop: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)
         for loop, sink in sinks.values():
             by_loop[loop].append((sink, error))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_dispatch, items)
-            except RuntimeError:
-                pass
+        hand_over(by_loop)
 
 
 def _wrap(e: BaseException):
@@ -492,22 +484,8 @@ class _ChildLoop:
 
     def _shutdown(self) -> None:
         """Abort everything left and step until the engine has released it (bounded)."""
-        import time
-
         engine = self.engine
-        for rid in list(self.live):
-            try:
-                engine.abort(rid)
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                logger.exception("abort of %s during shutdown failed", rid)
-        deadline = time.monotonic() + 30
-        try:
-            while engine.has_work() and time.monotonic() < deadline:
-                outputs = engine.step()
-                if outputs:
-                    self._send_outputs(outputs)
-        except Exception:  # noqa: BLE001
-            logger.exception("engine step failed during shutdown")
+        abort_and_drain(engine, list(self.live), self._send_outputs)
         if hasattr(engine, "close"):
             try:
                 engine.close()

@@ -273,11 +273,7 @@ class EngineWorker:
             if out.finished:
                 del sinks[rid]
             by_loop[entry[0]].append((entry[1], out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_dispatch, items)
-            except RuntimeError:
-                pass  # that loop is closed: its consumers are gone
+        hand_over(by_loop)
 
     def _shutdown(self) -> None:
         """Abort everything left and step until the engine has released it (bounded)."""
@@ -289,19 +285,7 @@ class EngineWorker:
             except queue.Empty:
                 break
             _refuse(cmd, WorkerUnavailableError("engine worker is stopping"))
-        for rid in list(self._sinks):
-            try:
-                engine.abort(rid)
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                logger.exception("abort of %s during shutdown failed", rid)
-        deadline = time.monotonic() + 30
-        try:
-            while engine.has_work() and time.monotonic() < deadline:
-                outputs = engine.step()
-                if outputs:
-                    self._deliver(outputs)
-        except Exception:  # noqa: BLE001
-            logger.exception("engine step failed during shutdown")
+        abort_and_drain(engine, list(self._sinks), self._deliver)
         if self._sinks:
             self._fail_everything(WorkerUnavailableError("engine worker stopped"))
         if self._factory is not None and hasattr(engine, "close"):
@@ -317,11 +301,34 @@ class EngineWorker:
         for loop, sink in self._sinks.values():
             by_loop[loop].append((sink, error))
         self._sinks.clear()
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_dispatch, items)
-            except RuntimeError:
-                pass
+        hand_over(by_loop)
+
+
+def hand_over(by_loop: dict) -> None:
+    """Give each event loop its (sink, output) items with one call_soon_threadsafe."""
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_dispatch, items)
+        except RuntimeError:
+            pass  # that loop is closed: its consumers are gone
+
+
+def abort_and_drain(engine, request_ids, deliver, timeout_s: float = 30.0) -> None:
+    """A worker's way out: abort these requests and step the engine until it has released
+    them (bounded), handing each step's outputs to `deliver`."""
+    for rid in request_ids:
+        try:
+            engine.abort(rid)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            logger.exception("abort of %s during shutdown failed", rid)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while engine.has_work() and time.monotonic() < deadline:
+            outputs = engine.step()
+            if outputs:
+                deliver(outputs)
+    except Exception:  # noqa: BLE001
+        logger.exception("engine step failed during shutdown")
 
 
 def engine_stats(engine) -> dict:

@@ -2,7 +2,7 @@
 
 test_server_grpc.py runs the real engine through both workers; here we cover what needs
 control over the engine process: the same outputs as the in-thread worker, errors crossing
-the pipe with their types, a crashing engine, a killed engine process, a stop under a live
+the pipe with their types, a crashing engine (with either worker), a killed engine process, a stop under a live
 stream, a parent that dies without stopping its engine, the child's bounded sender queue,
 and a server process that never starts a JAX backend.
 """
@@ -141,8 +141,13 @@ def _health_turns(client, want, timeout=10.0):
     return client.health()
 
 
-def test_engine_crash_fails_requests_cleanly():
-    worker = EngineProcess(_factory(step_delay=0.001, crash_after_tokens=5)).start(timeout=60)
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_engine_crash_fails_requests_cleanly(where):
+    factory = _factory(step_delay=0.001, crash_after_tokens=5)
+    if where == "thread":
+        worker = EngineWorker(engine_factory=factory).start()
+    else:
+        worker = EngineProcess(factory).start(timeout=60)
     st = ServerThread(worker).start()
     try:
         with GenerationClient(st.target, timeout=30) as c:
