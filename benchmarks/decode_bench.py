@@ -107,7 +107,7 @@ def main():
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--variants", nargs="+", default=["default"],
                     choices=["default", "fused", "unfused", "fused_attention", "single_exec", "stacked", "per_layer",
-                             "group4", "group12", "no_host_copy", "on_change", "jit_turns", "host_outputs"],
+                             "group4", "group12", "no_host_copy", "on_change", "jit_turns"],
                     help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
                          "or off (unfused), only the attention one (fused_attention), the default kernels with "
                          "one executable per decode program instead of two in turn (single_exec), the weights in "
@@ -115,8 +115,7 @@ def main():
                          "starting each step's copy to the host at launch (no_host_copy: fetch copies once the step "
                          "is done), or with the step's input array sent only when it changed (on_change, "
                          "EngineConfig.decode_inputs), or with the first executable's turns launched through jit "
-                         "instead of as the compiled executable (jit_turns), or with every step writing its results "
-                         "for the host to pinned host memory itself, no copy started at launch (host_outputs)")
+                         "instead of as the compiled executable (jit_turns)")
     ap.add_argument("--prompt-len-jitter", type=int, default=0,
                     help="prompts of prompt_len + [0, N) tokens: rows then cross page boundaries on different "
                          "steps, so most steps reserve pages (0: every row reserves on the same step)")
@@ -166,7 +165,6 @@ def main():
             engine.runner.start_host_copy = variant != "no_host_copy"
             engine.runner.decode_inputs = "on_change" if variant == "on_change" else "every_step"
             engine.runner.launch_compiled = variant != "jit_turns"
-            engine.runner.host_outputs = variant == "host_outputs"
             if variant in ("fused", "unfused", "fused_attention"):
                 engine.set_fused_decode(variant != "unfused")
             if variant == "fused_attention":

@@ -199,9 +199,6 @@ def main():
     ap.add_argument("--compare-per-layer", action="store_true",
                     help="also run the overlap workload with the target's weights per layer (the engine stacks them "
                          "on one GPU)")
-    ap.add_argument("--compare-host-outputs", action="store_true",
-                    help="also run the overlap workload with every step writing its results for the host to pinned "
-                         "host memory itself, no copy started at launch (runner.host_outputs)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="spec_bench.json")
     args = ap.parse_args()
@@ -231,11 +228,9 @@ def main():
     cols = ["backend", "batch", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms",
             "device_accept", "ms_per_token", "speedup_vs_plain", "overlap_period_ms", "normal_period_ms", "overlap_tok_s",
             "normal_tok_s", "host_total_ms", "host_total_mean_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
-    compare = (("single_exec", args.compare_single_executable), ("per_layer", args.compare_per_layer),
-               ("host_outputs", args.compare_host_outputs))
-    if any(on for _, on in compare):
+    if args.compare_single_executable or args.compare_per_layer:
         cols.append("host_launch_ms")
-    for name, on in compare:
+    for name, on in (("single_exec", args.compare_single_executable), ("per_layer", args.compare_per_layer)):
         if on:
             cols += [f"{name}_host_launch_ms", f"{name}_host_total_ms", f"{name}_period_ms", f"{name}_identical"]
     for backend, algo in [(b, a) for b in args.attention_backend for a in args.algos]:
@@ -254,20 +249,17 @@ def main():
                 res[overlap] = run_workload(engine, args, B, args.new_tokens, seed=B)
             engine.set_overlap(True)
             compared = {}
-            for name, on in compare:
+            for name, on in (("single_exec", args.compare_single_executable), ("per_layer", args.compare_per_layer)):
                 if not on:
                     continue
                 r = engine.runner
-                saved = r.alternate_executables, r.params, r.host_outputs
+                saved = r.alternate_executables, r.params
                 if name == "single_exec":
                     r.alternate_executables = False
-                elif name == "host_outputs":
-                    r.host_outputs = True
-                    run_workload(engine, args, B, 4, seed=99)  # compile its programs outside the timed run
                 else:
                     r.params = params  # the caller's per-layer weights (the engine stacked its own copy)
                 one = run_workload(engine, args, B, args.new_tokens, seed=B)
-                r.alternate_executables, r.params, r.host_outputs = saved
+                r.alternate_executables, r.params = saved
                 compared.update({f"{name}_host_launch_ms": one["host_launch_ms"],
                                  f"{name}_host_total_ms": one["host_total_ms"],
                                  f"{name}_period_ms": one["step_period_ms"],

@@ -167,11 +167,6 @@ class ModelRunner:
         # Start each step's copy to the host at launch (below). False leaves the copy to
         # `fetch`, which then copies synchronously once the step is done (benchmarks compare).
         self.start_host_copy = True
-        # True makes every step write its results for the host to pinned host memory itself
-        # (the steps' `host_outputs`), so the launch starts no copy. An experiment for the
-        # H200's launch time (benchmarks/decode_bench.py --variants host_outputs); off until
-        # measured there.
-        self.host_outputs = False
         # False sends the first executable's turns through jit's call path instead of the
         # compiled executable (`_call_decode`; benchmarks compare the two).
         self.launch_compiled = True
@@ -221,7 +216,7 @@ class ModelRunner:
             out = self._launch_decode(batch)
         # Start the copy now so that the host's later wait is for the step, not the copy. One
         # array holds all of the step's results for the host (steps.pack_for_host).
-        if self.start_host_copy and not self.host_outputs:
+        if self.start_host_copy:
             out.packed.copy_to_host_async()
         return LaunchedStep(batch, out)
 
@@ -296,7 +291,7 @@ class ModelRunner:
         return self._layout_of[1]
 
     def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool) -> tuple:
-        return (B, host_drafts, ctx_len, sampling, draft, self.attention, self._layout_key(), self.host_outputs)
+        return (B, host_drafts, ctx_len, sampling, draft, self.attention, self._layout_key())
 
     def _call_decode(self, key: tuple, step, args, static):
         pair = self._executables.get(key)
@@ -350,7 +345,7 @@ class ModelRunner:
         """(jitted step, arguments, static arguments) of one decode launch. `launch` and
         `precompile` both build their call here, so that they meet in one jit cache entry."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
-                      sampling=sampling, host_outputs=self.host_outputs)
+                      sampling=sampling)
         if self.spec is None:
             return steps.decode_step, (self.params, self.state, inputs), static
         from jaxoverlap.speculative.step import spec_decode_step
@@ -461,7 +456,7 @@ class ModelRunner:
         return R * self.pages_per_row
 
     def _prefill_key(self, R: int, T: int, ctx_len: int, sampling: bool) -> tuple:
-        return (R, T, ctx_len, sampling, self.attention, self._layout_key(), self.host_outputs)
+        return (R, T, ctx_len, sampling, self.attention, self._layout_key())
 
     def _launch_prefill(self, batch: ScheduledBatch) -> steps.StepOutput:
         R, T = self._prefill_shape(batch)
@@ -508,7 +503,7 @@ class ModelRunner:
         """(jitted step, arguments, static arguments) of one prefill launch; `launch` and
         `precompile` both build their call here, so that they meet in one jit cache entry."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
-                      sampling=sampling, host_outputs=self.host_outputs)
+                      sampling=sampling)
         if self.spec is None:
             return steps.prefill_step, (self.params, self.state, inp, res), static
         from jaxoverlap.speculative.step import spec_prefill_step

@@ -22,22 +22,17 @@ from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attentio
 from jaxoverlap.sampling import sample
 
 
-def pack_for_host(*columns: jax.Array, host_memory: bool = False) -> jax.Array:
+def pack_for_host(*columns: jax.Array) -> jax.Array:
     """The per-row results a step hands to the host, as one [R, C] int32 array.
 
     Each column group is [R] or [R, k], int32 or float32 (stored as its bits). One output
     array means one device-to-host copy per step to start and one output buffer whose
-    address XLA's recorded CUDA graph must follow, instead of one per result.
-
-    `host_memory` makes the step itself write the array to pinned host memory (a step
-    static, `host_outputs`): the program then ends with the copy, and the launch need not
-    start one (`copy_to_host_async` was 13-18% of the launch's samples on the H200)."""
+    address XLA's recorded CUDA graph must follow, instead of one per result."""
     parts = []
     for c in columns:
         c = c if c.dtype == jnp.int32 else jax.lax.bitcast_convert_type(c.astype(jnp.float32), jnp.int32)
         parts.append(c[:, None] if c.ndim == 1 else c)  # [R] -> [R, 1]
-    packed = jnp.concatenate(parts, axis=1)
-    return jax.device_put(packed, jax.memory.Space.Host) if host_memory else packed
+    return jnp.concatenate(parts, axis=1)
 
 
 def float_bits(x) -> jax.Array | np.ndarray:
@@ -56,8 +51,8 @@ class StepOutput:
     packed: jax.Array  # [R, 2] int32
 
     @classmethod
-    def of(cls, tokens: jax.Array, logprobs: jax.Array, host_memory: bool = False) -> "StepOutput":
-        return cls(pack_for_host(tokens, logprobs, host_memory=host_memory))
+    def of(cls, tokens: jax.Array, logprobs: jax.Array) -> "StepOutput":
+        return cls(pack_for_host(tokens, logprobs))
 
     @property
     def tokens(self):  # [R] int32
@@ -176,7 +171,7 @@ def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling", "host_outputs"),
+    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )
 def decode_step(
@@ -189,10 +184,8 @@ def decode_step(
     page_size: int,
     attention=xla_paged_attention,
     sampling: bool = True,
-    host_outputs: bool = False,
 ):
-    """One plain decoding step for B rows: one token per row, everything read from the relay.
-    `host_outputs`: the step writes its StepOutput to host memory (pack_for_host)."""
+    """One plain decoding step for B rows: one token per row, everything read from the relay."""
     entries = inputs.entries  # [B] int32, padded rows on entry 0
     req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
     relay = state.relay
@@ -216,7 +209,7 @@ def decode_step(
     )
     relay = _write_relay(relay, entries, lens + 1, next_tokens)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
-    return state, StepOutput.of(next_tokens, logprobs, host_outputs)
+    return state, StepOutput.of(next_tokens, logprobs)
 
 
 @jax.tree_util.register_dataclass
@@ -235,7 +228,7 @@ class PrefillInputs:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling", "host_outputs"),
+    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )
 def prefill_step(
@@ -249,7 +242,6 @@ def prefill_step(
     page_size: int,
     attention=xla_paged_attention,
     sampling: bool = True,
-    host_outputs: bool = False,
 ):
     """One chunk of prompt for each of R rows, over the cached prefix of each row.
 
@@ -283,4 +275,4 @@ def prefill_step(
         temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p, seed=inp.seed,
     )
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
-    return state, StepOutput.of(next_tokens, logprobs, host_outputs)
+    return state, StepOutput.of(next_tokens, logprobs)

@@ -260,32 +260,3 @@ def test_decode_inputs_pack_entries_then_reservations():
     np.testing.assert_array_equal(scaled, [107, 207, 7])
     np.testing.assert_array_equal(res_entries, [3, 4])
     assert steps.DecodeInputs.empty(2, 8).packed.shape == (2 + 3 * 8,)
-
-
-@pytest.mark.parametrize("algo", [None, "ngram_device"])
-def test_steps_that_write_their_results_to_host_memory(algo, monkeypatch):
-    """runner.host_outputs (an experiment for the H200's launch): every step writes its packed
-    results to pinned host memory itself and the launch starts no copy; tokens and logprobs
-    stay exactly those of the default, sampled rows included."""
-    results = {}
-    for host in (False, True):
-        eng = make_engine(OWN_SHAPE, speculative_algorithm=algo)
-        eng.runner.host_outputs = host
-        launched = []
-        original = eng.runner.launch
-
-        def launch(batch, original=original):
-            step = original(batch)
-            launched.append(step.out.packed.sharding.memory_kind)
-            return step
-
-        monkeypatch.setattr(eng.runner, "launch", launch)
-        copies = []
-        monkeypatch.setattr(type(jnp.zeros(1)), "copy_to_host_async", lambda self: copies.append(1))
-        finals = run_workload(eng, random_workload(5, n=6, greedy=False))
-        monkeypatch.undo()
-        assert_drained(eng)
-        results[host] = {k: (v.token_ids, v.metrics.output_tokens) for k, v in finals.items()}
-        assert set(launched) == ({"pinned_host"} if host else {"device"})
-        assert (len(copies) == 0) == host
-    assert results[True] == results[False]

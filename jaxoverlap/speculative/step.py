@@ -45,8 +45,8 @@ class SpecStepOutput:
     drafts: jax.Array  # [B, k] int32: what the drafter proposed (kept on the device; for tests)
 
     @classmethod
-    def of(cls, tokens, logprobs, accept_lens, drafts, host_memory: bool = False) -> "SpecStepOutput":
-        return cls(pack_for_host(tokens, logprobs, accept_lens, host_memory=host_memory), drafts)
+    def of(cls, tokens, logprobs, accept_lens, drafts) -> "SpecStepOutput":
+        return cls(pack_for_host(tokens, logprobs, accept_lens), drafts)
 
     @property
     def window(self) -> int:
@@ -109,7 +109,7 @@ def _set(relay: Relay, entries, **fields) -> Relay:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling", "host_outputs"),
+    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )
 def spec_decode_step(
@@ -125,7 +125,6 @@ def spec_decode_step(
     page_size: int,
     attention=xla_paged_attention,
     sampling: bool = True,
-    host_outputs: bool = False,
 ):
     """One speculative step for B rows, everything but the host n-gram drafts read from
     the relay. Returns (state, SpecStepOutput). `spec.num_draft == 0` is the paused step:
@@ -200,12 +199,12 @@ def spec_decode_step(
     relay = _set(relay, entries, **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens)
-    return state, SpecStepOutput.of(out_tokens, logprobs, accept_len, drafts, host_outputs)
+    return state, SpecStepOutput.of(out_tokens, logprobs, accept_len, drafts)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling", "host_outputs"),
+    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling"),
     donate_argnames=("state",),
 )
 def spec_prefill_step(
@@ -221,7 +220,6 @@ def spec_prefill_step(
     page_size: int,
     attention=xla_paged_attention,
     sampling: bool = True,
-    host_outputs: bool = False,
 ):
     """A prompt chunk per row through the target, then through the drafter so that the
     first speculative step finds the drafter's state for the whole prompt."""
@@ -260,4 +258,4 @@ def spec_prefill_step(
     relay = _set(state.relay, inp.entries, seq_lens=jnp.where(inp.entries == 0, 0, kv_lens), **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens)
-    return state, StepOutput.of(next_tokens, logprobs, host_outputs)
+    return state, StepOutput.of(next_tokens, logprobs)
