@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -118,6 +119,8 @@ def main():
     ap.add_argument("--out", default="serve_overlap_bench.json")
     ap.add_argument("--no-process", action="store_true", help="leave out the serve_process variant")
     args = ap.parse_args()
+    # The workers log their compile times (a cold start of every program is minutes on the GPU).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.no_process:
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # two engines on one GPU
     ensure_importable()
@@ -144,6 +147,7 @@ def main():
     gpu = jax.default_backend() == "gpu"
     factory = functools.partial(build_engine, config)
     worker = EngineWorker(engine_factory=factory, precompile=gpu, precompile_prefill=gpu).start()
+    print(f"engine on the worker thread ready in {time.perf_counter() - t0:.1f} s", flush=True)
     server = ServerThread(worker).start()
     workers = {"serve": worker, "serve_si": worker}
     servers = {"serve": server, "serve_si": server}
