@@ -1,0 +1,86 @@
+"""The benchmark scripts that the GPU runs use, smoke-run on the tiny model.
+
+A GPU session has minutes, not hours: a script that broke since its last run (an option
+renamed, a field removed from the engine) costs a call. So each script that
+`benchmarks/RESULTS.md` quotes runs here with its `--tiny` settings, as its own process (as
+on the device), and its JSON must hold the rows and the checks it reports."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(tmp_path, name: str, *args: str, timeout: int = 300) -> dict:
+    out = tmp_path / f"{name}.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"), *args, "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.mark.timeout(400)
+def test_decode_bench(tmp_path):
+    res = run_script(tmp_path, "decode_bench", "--tiny", "--batches", "1", "4", "--new-tokens", "8",
+                     "--device-iters", "2", "--variants", "default", "group12")
+    rows = res["rows"]
+    assert [(r["batch"], r["variant"]) for r in rows] == [(1, "default"), (1, "group12"), (4, "default"),
+                                                          (4, "group12")]
+    for r in rows:
+        assert r["greedy_identical"], r  # the overlap loop's tokens are the normal loop's
+        assert r["tokens_as_first_variant"] == 1.0, r  # another weight layout, the same tokens
+        assert r["device_step_ms"] > 0 and r["host_launch_ms"] > 0 and r["floor_ms"] > 0
+
+
+@pytest.mark.timeout(400)
+def test_spec_bench(tmp_path):
+    res = run_script(tmp_path, "spec_bench", "--tiny", "--batches", "1", "--algos", "plain", "ngram_device",
+                     "--device-iters", "2", "--new-tokens", "16", "--compare-single-executable")
+    rows = {r["algo"]: r for r in res["rows"]}
+    assert set(rows) == {"plain", "ngram_device"}
+    for r in rows.values():
+        assert r["greedy_identical"] and r["single_exec_identical"], r
+        assert r["accept_length"] >= 1.0
+    assert rows["plain"]["accept_length"] == 1.0
+    # The prompts repeat a piece, so the n-gram drafter gets some drafts accepted.
+    assert rows["ngram_device"]["accept_length"] > 1.0
+
+
+@pytest.mark.timeout(400)
+def test_serve_overlap_bench(tmp_path):
+    res = run_script(tmp_path, "serve_overlap_bench", "--tiny", "--concurrency", "8", "--num-prompts", "16",
+                     "--output-len", "16", "--rounds", "1")
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"offline", "serve", "serve_si", "serve_process"}
+    for name, r in rows.items():
+        assert r["output_tok_s"] > 0 and r["decode_iterations"] > 0, r
+        if name != "offline":
+            assert r["failed"] == 0 and r["itl_median_ms"] > 0, r
+
+
+@pytest.mark.timeout(400)
+def test_host_text_bench(tmp_path):
+    res = run_script(tmp_path, "host_text_bench", "--batch", "8", "--new-tokens", "16", "--long-tokens", "64")
+    workloads = [r["workload"] for r in res["rows"]]
+    assert workloads == ["ids", "text", "text_stop", "text_off", "text_stop, 64 tokens"]
+    for r in res["rows"]:
+        assert r["steps"] > 0 and r["process_ms"] > 0, r
+    assert res["add_request_ids_ms"] > 0 and res["add_request_text_ms"] > 0
+
+
+@pytest.mark.timeout(400)
+def test_hf_compare(tmp_path):
+    res = run_script(tmp_path, "hf_compare", "--tiny", "--batch-sizes", "2", "--new-tokens", "8", "--prompt-len", "16")
+    assert not res["errors"], res["errors"]
+    sides = {r["side"]: r for r in res["rows"]}
+    assert set(sides) == {"jaxoverlap", "hf"}
+    for r in sides.values():
+        assert r["tokens"] == 2 * 8 and r["tok_s"] > 0, r
+    assert res["speedup"]
