@@ -46,8 +46,8 @@ import traceback
 from typing import Any, Callable
 
 from jaxoverlap.outputs import RequestMetrics, RequestOutput
-from jaxoverlap.server.engine_worker import (DuplicateRequestError, Sink, WorkerUnavailableError, abort_and_drain,
-                                            engine_stats, hand_over, prepare_engine)
+from jaxoverlap.server.engine_worker import (DuplicateRequestError, EngineCalls, Sink, WorkerUnavailableError,
+                                            abort_and_drain, hand_over, prepare_engine)
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EngineProcessError(RuntimeError):
     """An exception of the engine process that could not be sent over as itself."""
 
 
-class EngineProcess:
+class EngineProcess(EngineCalls):
     """Runs `engine_factory()` (picklable: a class, or a functools.partial of a module-level
     function) in a spawned process and serves it with EngineWorker's methods.
 
@@ -195,12 +195,6 @@ class EngineProcess:
         self._command(fut, "abort", request_id)
         return await asyncio.wrap_future(fut)
 
-    def call_sync(self, fn: Callable[[Any], Any], timeout: float | None = None):
-        return self.submit_call(fn).result(timeout)
-
-    async def call(self, fn: Callable[[Any], Any]):
-        return await asyncio.wrap_future(self.submit_call(fn))
-
     def submit_call(self, fn) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._process is None or not self._process.is_alive() or self.dead_error is not None:
@@ -208,9 +202,6 @@ class EngineProcess:
             return fut
         self._command(fut, "call", fn)
         return fut
-
-    async def stats(self) -> dict:
-        return await self.call(engine_stats)
 
     def _command(self, fut: concurrent.futures.Future, kind: str, *args) -> None:
         cid = next(self._cids)

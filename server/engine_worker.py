@@ -70,7 +70,25 @@ class _Call:
 _STOP = object()
 
 
-class EngineWorker:
+class EngineCalls:
+    """`call_sync`, `call` and `stats` on top of a worker's `submit_call(fn)`, which runs
+    fn(engine) between two steps: the same for EngineWorker and EngineProcess."""
+
+    def submit_call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        raise NotImplementedError
+
+    def call_sync(self, fn: Callable[[Any], Any], timeout: float | None = None):
+        """Run fn(engine) between two steps and return its result (blocking)."""
+        return self.submit_call(fn).result(timeout)
+
+    async def call(self, fn: Callable[[Any], Any]):
+        return await asyncio.wrap_future(self.submit_call(fn))
+
+    async def stats(self) -> dict:
+        return await self.call(engine_stats)
+
+
+class EngineWorker(EngineCalls):
     """Owns an engine on a dedicated thread. Pass an engine, or a factory to build it on the thread.
 
     `warmup` (True or a SamplingParams-like max_new_tokens count) runs one short request through
@@ -157,13 +175,6 @@ class EngineWorker:
         self._commands.put(_Abort(request_id, fut))
         return await asyncio.wrap_future(fut)
 
-    def call_sync(self, fn: Callable[[Any], Any], timeout: float | None = None):
-        """Run fn(engine) on the worker thread between two steps and return its result (blocking)."""
-        return self.submit_call(fn).result(timeout)
-
-    async def call(self, fn: Callable[[Any], Any]):
-        return await asyncio.wrap_future(self.submit_call(fn))
-
     def submit_call(self, fn) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if not self._thread.is_alive() or self.dead_error is not None:
@@ -171,9 +182,6 @@ class EngineWorker:
             return fut
         self._commands.put(_Call(fn, fut))
         return fut
-
-    async def stats(self) -> dict:
-        return await self.call(engine_stats)
 
     def _unavailable_reason(self) -> str:
         if self.dead_error is not None:
