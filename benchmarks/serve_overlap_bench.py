@@ -157,13 +157,15 @@ def main():
     # a timed run would also make XLA drop the recorded graphs of the others.
     gpu = jax.default_backend() == "gpu"
     factory = functools.partial(build_engine, config)
-    worker = EngineWorker(engine_factory=factory, precompile=gpu, precompile_prefill=gpu).start()
+    # Greedy programs only: the workload samples nothing (a server compiles both by default).
+    warm = dict(precompile=gpu, precompile_prefill=gpu, precompile_sampling=(False,))
+    worker = EngineWorker(engine_factory=factory, **warm).start()
     print(f"engine on the worker thread ready in {time.perf_counter() - t0:.1f} s", flush=True)
     server = ServerThread(worker).start()
     workers = {"serve": worker, "serve_si": worker}
     servers = {"serve": server, "serve_si": server}
     if not args.no_process:
-        workers["serve_process"] = EngineProcess(factory, precompile=gpu, precompile_prefill=gpu).start()
+        workers["serve_process"] = EngineProcess(factory, **warm).start()
         servers["serve_process"] = ServerThread(workers["serve_process"]).start()
     print(f"device {jax.devices()[0].device_kind}; engine and server ready in {time.perf_counter() - t0:.1f} s",
           flush=True)

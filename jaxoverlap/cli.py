@@ -31,7 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-fused-decode", action="store_true",
                    help="pallas: separate kernels for decode's q/k norm, RoPE, cache write and attention")
     g.add_argument("--weights-cache-dir", default=None)
-    g.add_argument("--compilation-cache-dir", default=None)
+    g.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache folder, so that a restart loads the compiled programs; "
+                        "'auto': ~/.cache/jaxoverlap/jax_compilation_cache on a GPU (the serve default), "
+                        "'none': no cache")
     g.add_argument("--single-decode-executable", dest="alternate_decode_executables", action="store_false",
                    help="run each decode program as one executable, not two copies in turn")
     g.add_argument("--layers-per-weight-stack", type=int, default=None,

@@ -27,7 +27,11 @@ class EngineConfig:
     disable_fused_decode: bool = False  # pallas: keep norm/RoPE/cache write/attention of decode as separate kernels
     batch_buckets: tuple[int, ...] | None = None  # padded decode batch sizes; default powers of 2
     weights_cache_dir: str | None = None  # orbax cache of converted weights for fast restarts
-    compilation_cache_dir: str | None = None  # JAX persistent compilation cache
+    # JAX persistent compilation cache: a folder, or "auto" (what `jaxoverlap serve` uses):
+    # on a GPU $XDG_CACHE_HOME/jaxoverlap/jax_compilation_cache (~/.cache/...) unless
+    # JAX_COMPILATION_CACHE_DIR names one already, elsewhere none (a CPU program compiles in
+    # about a second). None or "none": only what JAX_COMPILATION_CACHE_DIR sets.
+    compilation_cache_dir: str | None = None
     # Run each decode program as two loaded copies in turn, so that XLA need not update the
     # step's CUDA graph for its moved output on every call (runner._call_decode). One GPU only.
     alternate_decode_executables: bool = True

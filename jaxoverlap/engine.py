@@ -130,6 +130,18 @@ def _pallas_attention(interpret: bool, mesh=None, fuse_decode: bool = True):
     return sharded
 
 
+def compilation_cache_dir(option: str | None) -> str | None:
+    """The folder EngineConfig.compilation_cache_dir names ("auto" resolved), or None ("none")."""
+    if not option or option.lower() == "none":
+        return None
+    if option != "auto":
+        return option
+    if jax.default_backend() != "gpu" or jax.config.jax_compilation_cache_dir:
+        return None  # nothing worth keeping, or JAX_COMPILATION_CACHE_DIR already set one
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "jaxoverlap", "jax_compilation_cache")
+
+
 def _int_list(prompt) -> list[int]:
     """Token ids as a list of Python ints; anything but integers (bools included) raises.
 
@@ -164,8 +176,9 @@ class Engine:
             # cycles are never collected): freed here, before this engine takes memory.
             gc.unfreeze()
             gc.collect()
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        cache_dir = compilation_cache_dir(config.compilation_cache_dir)
+        if cache_dir:
+            jax.config.update("jax_compilation_cache_dir", cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         model_path = config.model or loader.default_model_path()
         self.model_path = model_path

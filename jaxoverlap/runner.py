@@ -42,8 +42,9 @@ class LaunchedStep:
 
 
 def batch_samples(batch: ScheduledBatch) -> bool:
-    """Whether any row samples (temperature > 0): a static flag of the step, so all-greedy
-    batches compile without the vocabulary sort."""
+    """Whether any row of a decode batch samples (temperature > 0): a static flag of the
+    decode step, so all-greedy batches compile without the vocabulary sort (prefill programs
+    always sample, `_prefill_program`)."""
     return any(row.req.params.temperature > 0 for row in batch.rows)
 
 
@@ -359,7 +360,7 @@ class ModelRunner:
         """Compile the decode programs (plain or speculative) of these buckets before they
         are needed: by default every batch bucket at every decode context bucket, greedy.
         With `prefill`, also every prefill program: each (rows, tokens) bucket at each
-        prefill context bucket, with the same `sampling` flags.
+        prefill context bucket (prefill programs always sample, see `_prefill_program`).
 
         `threads` programs compile at once: XLA compiles outside the GIL, so on a machine
         with many cores this divides the wall time. The runner keeps each compiled
@@ -373,7 +374,7 @@ class ModelRunner:
 
         Returns one {program, ..., seconds} per program: decode rows name batch, ctx_len,
         sampling, draft (and run_seconds when executed); prefill rows name rows, tokens,
-        ctx_len, sampling."""
+        ctx_len."""
         from concurrent.futures import ThreadPoolExecutor
 
         import jax
@@ -381,8 +382,8 @@ class ModelRunner:
         jobs = [("decode", B, ctx, bool(s), d) for B in (batch_sizes or self.batch_buckets)
                 for ctx in (ctx_lens or self.decode_ctx_buckets) for s in sampling for d in self.decode_variants(B)]
         if prefill:
-            jobs += [("prefill", R, T, ctx, bool(s)) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
-                     for ctx in self.prefill_ctx_buckets for s in sampling]
+            jobs += [("prefill", R, T, ctx) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
+                     for ctx in self.prefill_ctx_buckets]
 
         def compile_decode(B, ctx, s, draft):
             empty = steps.DecodeInputs.empty(B, self._decode_res_capacity(B))
@@ -396,13 +397,13 @@ class ModelRunner:
             self._executables[self._program_key(B, host is not None, ctx, s, draft)] = (compiled, twin)
             return {"program": "decode", "batch": B, "ctx_len": ctx, "sampling": s, "draft": draft}
 
-        def compile_prefill(R, T, ctx, s):
+        def compile_prefill(R, T, ctx):
             # Numpy, as a prefill launch passes its inputs.
             inp = self._prefill_inputs([], R, T)
             res = steps.Reservations.empty(self._prefill_res_capacity(R))
-            step, args, static = self._prefill_program(inp, res, ctx, s)
-            self._prefill_executables[self._prefill_key(R, T, ctx, s)] = step.lower(*args, **static).compile()
-            return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx, "sampling": s}
+            step, args, static = self._prefill_program(inp, res, ctx)
+            self._prefill_executables[self._prefill_key(R, T, ctx)] = step.lower(*args, **static).compile()
+            return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx}
 
         def compile_one(job):
             t = time.perf_counter()
@@ -455,18 +456,18 @@ class ModelRunner:
     def _prefill_res_capacity(self, R: int) -> int:
         return R * self.pages_per_row
 
-    def _prefill_key(self, R: int, T: int, ctx_len: int, sampling: bool) -> tuple:
-        return (R, T, ctx_len, sampling, self.attention, self._layout_key())
+    def _prefill_key(self, R: int, T: int, ctx_len: int) -> tuple:
+        return (R, T, ctx_len, self.attention, self._layout_key())
 
     def _launch_prefill(self, batch: ScheduledBatch) -> steps.StepOutput:
         R, T = self._prefill_shape(batch)
-        ctx_len, sampling = self._ctx_len(batch), batch_samples(batch)
+        ctx_len = self._ctx_len(batch)
         inp = self._prefill_inputs(batch.rows, R, T)
         res = self._reservations(batch, self._prefill_res_capacity(R))
-        step, args, static = self._prefill_program(inp, res, ctx_len, sampling)
+        step, args, static = self._prefill_program(inp, res, ctx_len)
         # A program the warm-up compiled runs as that executable (see `_call_decode` for why
         # not through jit); any other compiles on its first launch.
-        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, sampling))
+        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len))
         self.state, out = compiled(*args) if compiled is not None else step(*args, **static)
         return out
 
@@ -499,11 +500,19 @@ class ModelRunner:
             starts[i], lens[i], entries[i], is_last[i] = row.start, row.length, req.entry, row.is_last
         return SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, *_sampling_arrays(rows, R))
 
-    def _prefill_program(self, inp, res: steps.Reservations, ctx_len: int, sampling: bool):
+    def _prefill_program(self, inp, res: steps.Reservations, ctx_len: int):
         """(jitted step, arguments, static arguments) of one prefill launch; `launch` and
-        `precompile` both build their call here, so that they meet in one jit cache entry."""
+        `precompile` both build their call here, so that they meet in one jit cache entry.
+
+        Every prefill program can sample (static sampling=True), unlike decode programs, which
+        come greedy and sampling. Its greedy rows take the argmax as a greedy program does
+        (`sampling.sample`), and the sort over the vocabulary runs once per row of the batch,
+        not per prompt token, so against the prefill it is small. One program per shape then
+        serves every request, and a warm-up of the prefill programs leaves nothing for a
+        sampled request to compile (a greedy twin per shape would double the prefill programs:
+        32 -> 64 with the defaults and the Pallas kernels, about 10 s each cold for Qwen3-8B)."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
-                      sampling=sampling)
+                      sampling=True)
         if self.spec is None:
             return steps.prefill_step, (self.params, self.state, inp, res), static
         from jaxoverlap.speculative.step import spec_prefill_step

@@ -67,8 +67,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="run the engine on a thread of the server's process instead of a process of its own "
               "(they then share one GIL, and the server's per-stream Python delays the engine's steps)")
     _add(g, "--precompile", choices=("auto", "on", "all", "off"), default="auto",
-         help="compile every decode batch bucket before serving (auto: on GPU only); all: every prefill "
-              "bucket too, so that no request compiles")
+         help="compile every decode batch bucket, greedy and sampling, before serving (auto: on GPU only); "
+              "all: every prefill bucket too, so that no request compiles")
     return parser
 
 
@@ -79,13 +79,10 @@ def build_engine(config):
     return Engine(config)
 
 
-def run_serve(args, engine_options: dict) -> int:
-    """Build the engine from engine_options, serve it until SIGINT/SIGTERM, shut down gracefully."""
+def serve_engine_config(engine_options: dict):
+    """(EngineConfig, the server's --max-queued-requests) from the CLI's engine options."""
     from jaxoverlap.config import EngineConfig
-    from jaxoverlap.server.engine_worker import EngineWorker
 
-    if not logging.getLogger().handlers:  # warnings of the server (drain, engine death) on stderr
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = dict(engine_options)
     model = opts.pop("model", None)
     # --max-queued-requests shares its name with an EngineConfig field, so the CLI's option
@@ -93,7 +90,21 @@ def run_serve(args, engine_options: dict) -> int:
     # max_running_requests); the engine's own limit counts requests waiting between two steps,
     # which a burst of arrivals exceeds easily, so the engine keeps its default.
     server_max_queued = opts.pop("max_queued_requests", None)
-    config = EngineConfig.from_options(model, **opts)
+    # A server restarts with the same programs: by default it keeps them in the persistent
+    # compilation cache (on a GPU; Engine resolves "auto"), so that a restart loads in seconds
+    # what took minutes to compile.
+    if opts.get("compilation_cache_dir") is None:
+        opts["compilation_cache_dir"] = "auto"
+    return EngineConfig.from_options(model, **opts), server_max_queued
+
+
+def run_serve(args, engine_options: dict) -> int:
+    """Build the engine from engine_options, serve it until SIGINT/SIGTERM, shut down gracefully."""
+    from jaxoverlap.server.engine_worker import EngineWorker
+
+    if not logging.getLogger().handlers:  # warnings of the server (drain, engine death) on stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config, server_max_queued = serve_engine_config(engine_options)
     precompile = getattr(args, "precompile", "auto")
     worker_options = dict(warmup=not getattr(args, "no_warmup", False),
                           precompile={"on": True, "all": True, "off": False}.get(precompile, "auto"),
@@ -105,7 +116,7 @@ def run_serve(args, engine_options: dict) -> int:
 
         worker = EngineProcess(functools.partial(build_engine, config), **worker_options)
     t0 = time.perf_counter()
-    print(f"loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
+    print(f"loading {config.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
     worker.start()
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     max_queued = getattr(args, "max_queued_requests", None)

@@ -94,13 +94,15 @@ class EngineWorker(EngineCalls):
     `warmup` (True or a SamplingParams-like max_new_tokens count) runs one short request through
     the engine before `start()` returns, so that the first client does not pay for compilation.
     `precompile` (True, or "auto" for a GPU only) also compiles every decode batch bucket
-    (Engine.warmup) before then, and `precompile_prefill` every prefill bucket with them.
+    (Engine.warmup) before then, for each static sampling flag in `precompile_sampling`
+    (default greedy and sampling), and `precompile_prefill` every prefill bucket with them.
     `jaxoverlap serve` runs the engine in a process of its own instead (EngineProcess, same
     methods): on a thread here, the engine's loop shares the GIL with the server.
     """
 
     def __init__(self, engine=None, *, engine_factory: Callable[[], Any] | None = None, warmup: bool = False,
-                 precompile: bool = False, precompile_prefill: bool = False, name: str = "jaxoverlap-engine"):
+                 precompile: bool = False, precompile_prefill: bool = False,
+                 precompile_sampling: tuple[bool, ...] = (False, True), name: str = "jaxoverlap-engine"):
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine and engine_factory")
         self._engine = engine
@@ -108,6 +110,7 @@ class EngineWorker(EngineCalls):
         self._warmup = warmup
         self._precompile = precompile  # Engine.warmup(): every decode batch bucket, before serving
         self._precompile_prefill = precompile_prefill  # Engine.warmup(prefill=True)
+        self._precompile_sampling = tuple(precompile_sampling)  # Engine.warmup(sampling=...)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request_id -> (loop, sink); touched only on the worker thread.
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}
@@ -194,7 +197,8 @@ class EngineWorker(EngineCalls):
         try:
             if self._engine is None:
                 self._engine = self._factory()
-            prepare_engine(self._engine, self._warmup, self._precompile, self._precompile_prefill)
+            prepare_engine(self._engine, self._warmup, self._precompile, self._precompile_prefill,
+                           self._precompile_sampling)
         except BaseException as e:  # noqa: BLE001 - reported to start()
             self._start_error = e
             self._ready.set()
@@ -344,11 +348,15 @@ def engine_stats(engine) -> dict:
     return engine.stats()
 
 
-def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=False) -> None:
+def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=False,
+                   precompile_sampling=(False, True)) -> None:
     """What a worker does with its engine before it serves: `precompile` compiles every decode
-    batch bucket (Engine.warmup; "auto": on a GPU only), `precompile_prefill` every prefill
-    bucket too, and `warmup` (True, or a number of new tokens) runs one short request through
-    the engine, so that the first client does not pay for compilation."""
+    batch bucket (Engine.warmup; "auto": on a GPU only), by default greedy and sampling
+    (`precompile_sampling`), since a server cannot know whether its clients sample and a program compiled on first use stalls every
+    stream for its compile (about 10 s for Qwen3-8B on the H200); `precompile_prefill` every
+    prefill bucket too (one program per shape serves greedy and sampled rows). `warmup` (True,
+    or a number of new tokens) runs one short request through the engine, so that the first
+    client does not pay for what is left."""
     if precompile == "auto":
         import jax
 
@@ -364,7 +372,7 @@ def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=Fa
             engine.step()
     if precompile:
         t = time.perf_counter()
-        n = len(engine.warmup(prefill=bool(precompile_prefill)))
+        n = len(engine.warmup(sampling=tuple(precompile_sampling), prefill=bool(precompile_prefill)))
         logger.info("compiled %d programs in %.1f s", n, time.perf_counter() - t)
 
 

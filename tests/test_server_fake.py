@@ -482,19 +482,23 @@ def test_auth_token_file(tmp_path):
 def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
     engine = _fake()
     seen = []
-    engine.warmup = lambda prefill: seen.append((threading.current_thread().name, prefill)) or [{"batch": 1}]
+    def warmup(sampling, prefill):
+        seen.append((threading.current_thread().name, prefill, sampling))
+        return [{"batch": 1}]
+
+    engine.warmup = warmup
     worker = EngineWorker(engine, precompile=True, name="engine-thread-under-test").start()
-    try:
-        assert seen == [("engine-thread-under-test", False)]
+    try:  # by default the sampling decode programs too: a server cannot know if clients sample
+        assert seen == [("engine-thread-under-test", False, (False, True))]
     finally:
         worker.stop()
-    # --precompile all: the prefill programs too.
-    EngineWorker(engine, precompile=True, precompile_prefill=True, name="t2").start().stop()
-    assert seen[-1] == ("t2", True)
+    # --precompile all: the prefill programs too; greedy only where the caller says so.
+    EngineWorker(engine, precompile=True, precompile_prefill=True, precompile_sampling=[False], name="t2").start().stop()
+    assert seen[-1] == ("t2", True, (False,))
     plain = _fake()
-    plain.warmup = lambda prefill: seen.append("unexpected") or []
+    plain.warmup = lambda **_: seen.append("unexpected") or []
     EngineWorker(plain).start().stop()
-    assert seen[-1] == ("t2", True)
+    assert seen[-1] == ("t2", True, (False,))
 
 
 def test_stop_closes_an_engine_the_worker_built_and_only_that():

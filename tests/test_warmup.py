@@ -180,8 +180,10 @@ def _prefill_workload():
     repeated so that it hits the prefix cache: prefills of every row and token bucket, with
     different numbers of reservations."""
     p = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
     long = [(7 * i) % 90 + 1 for i in range(40)]
-    return {0: [("a", [5, 6, 7], p)], 3: [("b", long, p), ("c", [9] * 20, p)], 12: [("d", long, p)]}
+    return {0: [("a", [5, 6, 7], p)], 3: [("b", long, p), ("c", [9] * 20, p)],
+            12: [("d", long, p), ("e", [4, 4, 8, 1], sampled)]}
 
 
 @pytest.mark.parametrize("algo", [None, "ngram_device"])
@@ -189,15 +191,18 @@ def test_warmup_with_prefill_leaves_nothing_to_compile(algo):
     """warmup(prefill=True) also compiles every prefill program (each rows x tokens bucket;
     the reservations table has a fixed size per rows bucket, so their count is no part of
     the shape): requests of any prompt length, batched or alone, prefix hits included,
-    then compile nothing. The same workload without it does compile (the check can fail)."""
+    greedy or sampled, then compile nothing, as `jaxoverlap serve --precompile all` promises
+    (decode programs greedy and sampling, one prefill program per shape, which samples).
+    The same workload without the prefill programs does compile (the check can fail)."""
     spec = {"speculative_algorithm": algo} if algo else {}
     opts = dict(batch_buckets=(4,), max_context_len=64, max_prefill_requests=2, chunked_prefill_size=32, **spec)
     # Model shapes no other test uses, so that jit's in-process cache holds none of their programs.
     counts = {}
     for hidden, prefill in ((40, False), (56, True)):
         eng = make_engine(tiny_config(hidden_size=hidden), **opts)
-        report = eng.warmup(prefill=prefill)
+        report = eng.warmup(prefill=prefill, sampling=(False, True))
         r = eng.runner
+        assert {x["sampling"] for x in report if x["program"] == "decode"} == {False, True}
         pre = sorted((x["rows"], x["tokens"], x["ctx_len"]) for x in report if x["program"] == "prefill")
         every = [(R, T, c) for R in r.prefill_row_buckets for T in r.prefill_len_buckets for c in r.prefill_ctx_buckets]
         assert pre == (sorted(every) if prefill else [])
@@ -212,7 +217,7 @@ def test_warmup_with_prefill_leaves_nothing_to_compile(algo):
         finally:
             COUNTER.active = False
         assert len(calls) == (sum(t.kind == "prefill" for t in eng.timings) if prefill else 0)
-        assert sorted(finals) == ["a", "b", "c", "d"] and all(len(f.token_ids) == 4 for f in finals.values())
+        assert sorted(finals) == ["a", "b", "c", "d", "e"] and all(len(f.token_ids) == 4 for f in finals.values())
         assert finals["d"].metrics.cached_prompt_tokens > 0  # "d" repeats "b": a prefix hit
         sizes = {t.batch_size for t in eng.timings if t.kind == "prefill"}
         assert sizes == {1, 2}, sizes
@@ -239,3 +244,41 @@ def test_prefill_programs_serve_every_context_with_length_adaptive_attention():
         finals = run_workload(eng, {0: [("a", [3, 4, 5], p), ("b", list(range(1, 40)), p)]})
         outs[backend] = {k: v.token_ids for k, v in finals.items()}
     assert outs["xla"] == outs["pallas"]
+
+
+def test_compilation_cache_dir_auto_means_a_user_cache_on_a_gpu_only(monkeypatch, tmp_path):
+    """EngineConfig.compilation_cache_dir: a folder as given; "none" or None: none; "auto"
+    (the serve default): the user's cache folder on a GPU, unless JAX_COMPILATION_CACHE_DIR
+    already set JAX's own, and none on a CPU."""
+    from jaxoverlap import engine as engine_mod
+
+    resolve = engine_mod.compilation_cache_dir
+    assert resolve(None) is None and resolve("none") is None and resolve("None") is None
+    assert resolve(str(tmp_path)) == str(tmp_path)
+    assert jax.default_backend() == "cpu" and resolve("auto") is None
+    monkeypatch.setattr(engine_mod.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    before = jax.config.jax_compilation_cache_dir
+    try:  # nothing compiles meanwhile, so no cache is opened
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert resolve("auto") == str(tmp_path / "jaxoverlap" / "jax_compilation_cache")
+        jax.config.update("jax_compilation_cache_dir", "/elsewhere")
+        assert resolve("auto") is None  # JAX keeps the folder it was given
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_serve_keeps_compiled_programs_by_default():
+    """`jaxoverlap serve` asks for the "auto" compilation cache unless told a folder or none."""
+    import argparse
+
+    from jaxoverlap import cli
+    from jaxoverlap.server import cli_commands
+
+    p = argparse.ArgumentParser()
+    cli.add_engine_args(p)
+    cli_commands.add_serve_args(p)
+    for argv, want in (([], "auto"), (["--compilation-cache-dir", "/tmp/c"], "/tmp/c"),
+                       (["--compilation-cache-dir", "none"], "none")):
+        config, _ = cli_commands.serve_engine_config(cli.engine_options(p.parse_args(argv)))
+        assert config.compilation_cache_dir == want
