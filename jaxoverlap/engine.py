@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import functools
 import gc
+import logging
 import os
 import random
 import time
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxoverlap.compile_watch import CompileWatch
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.device_state import init_device_state, kv_cache_bytes_per_token
 from jaxoverlap.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, QueueFullError
@@ -41,6 +43,8 @@ from jaxoverlap.request import Request
 from jaxoverlap.runner import LaunchedStep, ModelRunner
 from jaxoverlap.sampling_params import SamplingParams
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 
 # Layers per weight stack on one GPU (EngineConfig.layers_per_weight_stack). H200, Qwen3-8B
@@ -72,6 +76,9 @@ class StepTiming:
     # it (LaunchedStep.done). Under overlap the device may then have run dry before the
     # step launched in this iteration.
     found_done: bool = False
+    # Programs the launch compiled or loaded from the persistent cache (compile_watch):
+    # launch_s then includes that time, which every request waited.
+    compiled: int = 0
 
 
 @dataclasses.dataclass
@@ -90,6 +97,10 @@ class LoopTotals:
     # they came to wait for it, or that processed it before the launch (the host n-gram
     # drafter): at most this many times the device waited for the host.
     host_bound_iterations: int = 0
+    # Launches that compiled a program (or loaded one from the persistent cache), and their
+    # launch seconds: what the warm-up left for requests to wait for.
+    compiling_launches: int = 0
+    compiling_launch_s: float = 0.0
 
     def add(self, t: "StepTiming", overlap: bool) -> None:
         if t.kind == "prefill":
@@ -102,6 +113,9 @@ class LoopTotals:
         self.wait_s += t.wait_s
         if overlap and t.kind and (t.fresh_wait_s > 0 or t.found_done):
             self.host_bound_iterations += 1
+        if t.compiled:
+            self.compiling_launches += 1
+            self.compiling_launch_s += t.launch_s
 
 
 def _resolve_dtype(name: str):
@@ -288,6 +302,7 @@ class Engine:
         self.overlap = not config.disable_overlap
         self.guard_launch = False  # tests set this: launches run under sync_guard.no_host_sync()
         self._accepted = (0, 0)  # (tokens, rows) of the speculative step processed last
+        self._compiles = CompileWatch()  # programs compiled inside the last launch
         self._freeze_gc()
 
     # -- set-up helpers -------------------------------------------------------------------------
@@ -448,7 +463,7 @@ class Engine:
         # `iteration` is the index this loop iteration's StepTiming gets in self.timings.
         # Outside a trace the annotation costs about a microsecond (measured on CPU).
         with jax.profiler.TraceAnnotation("jaxoverlap.launch", kind=batch.kind, size=batch.size,
-                                          iteration=len(self.timings)):
+                                          iteration=len(self.timings)), self._compiles:
             if self.guard_launch:
                 from jaxoverlap.sync_guard import no_host_sync
 
@@ -478,10 +493,15 @@ class Engine:
         draft_s = self.runner.last_draft_s if batch is not None and self.runner.needs_host_results(batch) else 0.0
         accepted, rows = self._accepted
         self._accepted = (0, 0)
+        compiled, self._compiles.programs = self._compiles.programs, 0
         timing = StepTiming(kind, size, prepare_s, launch_s, wait_s, process_s, fresh_wait_s, draft_s, accepted,
-                            rows, start_s, len(batch.reservations) if batch is not None else 0, found_done)
+                            rows, start_s, len(batch.reservations) if batch is not None else 0, found_done, compiled)
         self.timings.append(timing)
         self.loop_totals.add(timing, self.overlap)
+        if compiled:
+            logger.info("a %s launch of %d rows compiled or loaded %d program(s) and held every request for %.2f s "
+                        "(Engine.warmup / `jaxoverlap serve --precompile` compiles them ahead)", kind, size, compiled,
+                        launch_s)
 
     # -- outputs ----------------------------------------------------------------------------------
     def _check_stop_strings(self, req: Request) -> str | None:

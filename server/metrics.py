@@ -57,6 +57,11 @@ class _EngineCollector:
                                               "Overlap iterations that found the previous step already done "
                                               "when they came to wait for it: the device may have waited for "
                                               "the host"),
+            "compiling": CounterMetricFamily("jaxoverlap_engine_compiling_launches",
+                                             "Launches that compiled a program (or loaded one from the persistent "
+                                             "compilation cache): every request waited for them"),
+            "compiling_seconds": CounterMetricFamily("jaxoverlap_engine_compiling_launch_seconds",
+                                                     "Time spent in launches that compiled or loaded a program"),
         }
 
     def collect(self):
@@ -83,8 +88,10 @@ class _EngineCollector:
                 fams["host_seconds"].add_metric([phase], loop[f"{phase}_s"])
             fams["wait_seconds"].add_metric([], loop["wait_s"])
             fams["host_bound"].add_metric([], loop["host_bound_iterations"])
+            fams["compiling"].add_metric([], loop["compiling_launches"])
+            fams["compiling_seconds"].add_metric([], loop["compiling_launch_s"])
         else:  # an engine without loop totals (the test fake)
-            for name in ("iterations", "host_seconds", "wait_seconds", "host_bound"):
+            for name in ("iterations", "host_seconds", "wait_seconds", "host_bound", "compiling", "compiling_seconds"):
                 del fams[name]
         if self._server is not None:
             fams["streams"].add_metric([], self._server.active_streams)

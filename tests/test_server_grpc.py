@@ -412,6 +412,11 @@ def test_metrics_export_the_engine_loop(env):
         assert after[key] > before[key]
     assert after["jaxoverlap_engine_device_wait_seconds_total"] > before["jaxoverlap_engine_device_wait_seconds_total"]
     assert "jaxoverlap_engine_host_bound_iterations_total" in after
+    # Launches that compiled (this fixture's engine is not warmed up) and their seconds grow together.
+    launches = "jaxoverlap_engine_compiling_launches_total"
+    seconds = "jaxoverlap_engine_compiling_launch_seconds_total"
+    assert after[launches] >= before[launches] and after[seconds] >= before[seconds]
+    assert (after[launches] > before[launches]) == (after[seconds] > before[seconds])
 
 
 def test_bench_reports_the_servers_engine_loop(env):

@@ -217,6 +217,10 @@ def test_warmup_with_prefill_leaves_nothing_to_compile(algo):
         finally:
             COUNTER.active = False
         assert len(calls) == (sum(t.kind == "prefill" for t in eng.timings) if prefill else 0)
+        # The engine counts the launches that compiled (Engine.stats, the server's metrics).
+        loop = eng.stats()["loop"]
+        assert loop["compiling_launches"] == sum(t.compiled > 0 for t in eng.timings)
+        assert (loop["compiling_launches"] > 0) == (loop["compiling_launch_s"] > 0) == (COUNTER.count > 0)
         assert sorted(finals) == ["a", "b", "c", "d", "e"] and all(len(f.token_ids) == 4 for f in finals.values())
         assert finals["d"].metrics.cached_prompt_tokens > 0  # "d" repeats "b": a prefix hit
         sizes = {t.batch_size for t in eng.timings if t.kind == "prefill"}
@@ -282,3 +286,25 @@ def test_serve_keeps_compiled_programs_by_default():
                        (["--compilation-cache-dir", "none"], "none")):
         config, _ = cli_commands.serve_engine_config(cli.engine_options(p.parse_args(argv)))
         assert config.compilation_cache_dir == want
+
+
+def test_compile_watch_counts_compilations_of_its_own_thread_only():
+    """CompileWatch counts programs compiled on the thread that entered it (the engine's
+    launches), not compilations on other threads meanwhile (a warm-up's pool)."""
+    import threading
+
+    import jax.numpy as jnp
+
+    from jaxoverlap.compile_watch import CompileWatch
+
+    a, b, c = jnp.arange(7), jnp.arange(9), jnp.arange(5)  # made outside: making them compiles too
+    watch = CompileWatch()
+    with watch:
+        t = threading.Thread(target=lambda: jax.jit(lambda x: x * 3 + 11)(a).block_until_ready())
+        t.start()
+        t.join()
+        assert watch.programs == 0
+        jax.jit(lambda x: x * 5 - 13)(b).block_until_ready()  # a new program, compiled on this thread
+        assert watch.programs == 1
+    jax.jit(lambda x: x * 7 + 17)(c).block_until_ready()  # after the block
+    assert watch.programs == 1
