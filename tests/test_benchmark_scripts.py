@@ -84,3 +84,20 @@ def test_hf_compare(tmp_path):
     for r in sides.values():
         assert r["tokens"] == 2 * 8 and r["tok_s"] > 0, r
     assert res["speedup"]
+
+
+@pytest.mark.timeout(400)
+def test_serve_cold_start(tmp_path):
+    """The real `jaxoverlap serve --precompile all`, started twice on one compilation cache:
+    a mixed greedy and sampled workload, prompts of several lengths, then compiles nothing
+    (the server's compiling-launch counters), and the second start finds the first one's
+    programs in the cache."""
+    res = run_script(tmp_path, "serve_cold_start", "--tiny", "--starts", "2", "--max-running-requests", "4",
+                     "--max-prefill-requests", "2", "--chunked-prefill-size", "64", "--max-context-len", "128",
+                     "--num-prompts", "10", "--max-prompt-len", "100", "--output-len", "5", "--concurrency", "4")
+    first, second = res["rows"]
+    for r in (first, second):
+        assert r["requests"] == 10 and r["output_tokens"] == 50, r
+        assert r["precompiled_programs"] > 0 and r["precompiled_programs"] == first["precompiled_programs"]
+        assert r["compiling_launches_in_workload"] == 0, r
+    assert first["cache_entries_before"] == 0 and second["cache_entries_before"] > 0
