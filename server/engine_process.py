@@ -63,8 +63,9 @@ class EngineProcess(EngineCalls):
     function) in a spawned process and serves it with EngineWorker's methods.
 
     `warmup`, `precompile` ("auto": on a GPU only), `precompile_prefill` and
-    `precompile_sampling` as in EngineWorker; they run in the child before `start()` returns. `call(fn)` runs a picklable
-    fn(engine) in the child between two steps and returns its (picklable) result.
+    `precompile_sampling` as in EngineWorker; they run in the child before `start()` returns.
+    `call(fn)` runs a picklable fn(engine) in the child between two steps and returns its
+    (picklable) result.
     """
 
     def __init__(self, engine_factory: Callable[[], Any], *, warmup: bool | int = False,
