@@ -72,7 +72,7 @@ class EngineProcess(EngineCalls):
                  precompile: bool | str = False, precompile_prefill: bool = False,
                  precompile_sampling: tuple[bool, ...] = (False, True), name: str = "jaxoverlap-engine"):
         self._factory = engine_factory
-        self._options = (warmup, precompile, precompile_prefill, tuple(precompile_sampling))
+        self._options = (warmup, precompile, precompile_prefill, precompile_sampling)
         self._name = name
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands = None  # parent's end of the command pipe

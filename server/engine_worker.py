@@ -110,7 +110,7 @@ class EngineWorker(EngineCalls):
         self._warmup = warmup
         self._precompile = precompile  # Engine.warmup(): every decode batch bucket, before serving
         self._precompile_prefill = precompile_prefill  # Engine.warmup(prefill=True)
-        self._precompile_sampling = tuple(precompile_sampling)  # Engine.warmup(sampling=...)
+        self._precompile_sampling = precompile_sampling  # Engine.warmup(sampling=...)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request_id -> (loop, sink); touched only on the worker thread.
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}
@@ -352,8 +352,9 @@ def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=Fa
                    precompile_sampling=(False, True)) -> None:
     """What a worker does with its engine before it serves: `precompile` compiles every decode
     batch bucket (Engine.warmup; "auto": on a GPU only), by default greedy and sampling
-    (`precompile_sampling`), since a server cannot know whether its clients sample and a program compiled on first use stalls every
-    stream for its compile (about 10 s for Qwen3-8B on the H200); `precompile_prefill` every
+    (`precompile_sampling`), since a server cannot know whether its clients sample and a
+    program compiled on first use stalls every stream for its compile (about 10 s for
+    Qwen3-8B on the H200); `precompile_prefill` every
     prefill bucket too (one program per shape serves greedy and sampled rows). `warmup` (True,
     or a number of new tokens) runs one short request through the engine, so that the first
     client does not pay for what is left."""
