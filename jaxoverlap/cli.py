@@ -1,4 +1,4 @@
-"""The `jaxoverlap` command line: generate, profile, serve, client, bench.
+"""The `jaxoverlap` command line: generate, batch, profile, serve, client, bench.
 
 argparse lives here only; everything below it takes EngineConfig / SamplingParams.
 """
@@ -99,13 +99,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **engine_options(args))
     t_load = time.perf_counter() - t0
     params = sampling_params(args)
+    if args.chat:  # each prompt is one user message, under the model's chat template
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        try:
+            prompts = [llm.tokenizer.encode_chat(system + [{"role": "user", "content": p}]) for p in args.prompts]
+        except ValueError as e:  # InvalidRequestError: no template, or one that refuses the messages
+            sys.exit(str(e))
+    elif args.system:
+        sys.exit("--system needs --chat")
+    else:
+        prompts = args.prompts
     if args.stream:
-        for out in llm.generate_stream(args.prompts, params):
+        for out in llm.generate_stream(prompts, params):
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
         sys.stdout.write("\n")
         return 0
-    results = llm.generate(args.prompts, params)
+    results = llm.generate(prompts, params)
     for prompt, r in zip(args.prompts, results):
         if args.json:
             print(json.dumps({
@@ -121,6 +131,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch(args: argparse.Namespace) -> int:
+    import os
+
+    from jaxoverlap.batch import print_summary, run_batch
+    from jaxoverlap.llm import LLM
+
+    # Checked before the model loads, so that a mistake costs no minutes.
+    if not os.path.exists(args.input):
+        sys.exit(f"no input file {args.input!r}")
+    if os.path.exists(args.output) and not (args.resume or args.overwrite):
+        sys.exit(f"{args.output} exists: pass --resume to continue it or --overwrite to start again")
+    try:
+        template_kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        sys.exit(f"--chat-template-kwargs is not JSON: {e}")
+    if not isinstance(template_kwargs, dict):
+        sys.exit("--chat-template-kwargs must be a JSON object")
+    with LLM(args.model, **engine_options(args)) as llm:
+        summary = run_batch(llm, args.input, args.output, sampling_params(args), resume=args.resume,
+                            overwrite=args.overwrite, progress=not args.no_progress,
+                            chat_template_kwargs=template_kwargs)
+    print_summary(summary)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxoverlap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,9 +164,28 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompts", nargs="+")
     g.add_argument("--stream", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    g.add_argument("--chat", action="store_true", help="send each prompt as a user message, under the model's "
+                                                       "chat template")
+    g.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("batch", help="generate for every request of a JSONL file (offline evaluation)",
+                       description="One JSON request per input line, one JSON result per output line, written "
+                                   "as each request finishes; see jaxoverlap/batch.py for both formats. The "
+                                   "sampling options are the defaults that a line's sampling_params override.")
+    b.add_argument("input", help="JSONL requests: prompt, prompt_token_ids or messages per line")
+    b.add_argument("-o", "--output", required=True, help="JSONL results")
+    mode = b.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="skip the ids whose results the output already holds")
+    mode.add_argument("--overwrite", action="store_true", help="start the output again")
+    b.add_argument("--chat-template-kwargs", default="{}",
+                   help='JSON object passed to the chat template for messages, e.g. \'{"enable_thinking": false}\'')
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(b)
+    add_sampling_args(b)
+    b.set_defaults(func=cmd_batch)
 
     from jaxoverlap.profiling.cli import add_profile_args, run_profile
 

@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.engine import Engine
+from jaxoverlap.errors import InvalidRequestError
 from jaxoverlap.outputs import GenerationResult, RequestOutput
 from jaxoverlap.sampling_params import SamplingParams
 
@@ -98,21 +99,46 @@ class LLM:
         for rid in ids:
             self.engine.abort(rid)  # False for those never queued or already done
 
+    def chat(self, conversations, sampling_params=None, *, use_tqdm: bool = False,
+             add_generation_prompt: bool = True, **template_kwargs) -> list[GenerationResult]:
+        """generate() for chat messages: each conversation (a list of {"role", "content"}
+        dicts, or a list of such lists) becomes its prompt under the checkpoint's chat
+        template. `template_kwargs` reach the template (e.g. `enable_thinking=False` for
+        Qwen3)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # one conversation
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: chat needs one")
+        prompts = [tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt, **template_kwargs)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[GenerationResult]:
         """Run prompts to completion; one GenerationResult per prompt, in order."""
+        results = {}
+        for index, result in self.generate_unordered(prompts, sampling_params, use_tqdm=use_tqdm):
+            results[index] = result
+        return [results[i] for i in range(len(results))]
+
+    def generate_unordered(
+        self, prompts, sampling_params=None, *, use_tqdm: bool = False
+    ) -> Iterator[tuple[int, GenerationResult]]:
+        """Run prompts to completion and yield (index in `prompts`, GenerationResult) as each
+        request finishes, so a long evaluation can save every result the moment it exists
+        (`jaxoverlap batch`). Leaving the loop early aborts what has not finished."""
         pending = self._prepare(prompts, sampling_params)
-        ids = [rid for rid, _, _ in pending]
+        index = {rid: i for i, (rid, _, _) in enumerate(pending)}
         prompt_ids = {rid: p for rid, p, _ in pending}
-        texts = {rid: [] for rid in ids}
-        logprobs = {rid: [] for rid in ids}
-        results: dict[str, GenerationResult] = {}
+        texts = {rid: [] for rid in index}
+        logprobs = {rid: [] for rid in index}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
+            bar = tqdm(total=len(index), desc="generate", unit="req")
         try:
-            while len(results) < len(ids):
+            while texts:
                 self._feed(pending)
                 for out in self.engine.step():
                     rid = out.request_id
@@ -122,15 +148,16 @@ class LLM:
                     if out.new_logprobs is not None:
                         logprobs[rid].extend(out.new_logprobs)
                     if out.finished:
-                        results[rid] = GenerationResult(
+                        result = GenerationResult(
                             request_id=rid, prompt_token_ids=prompt_ids[rid], token_ids=out.token_ids,
-                            text="".join(texts[rid]), finish_reason=out.finish_reason, metrics=out.metrics,
+                            text="".join(texts.pop(rid)), finish_reason=out.finish_reason, metrics=out.metrics,
                             logprobs=logprobs[rid] if out.new_logprobs is not None else None,
                         )
+                        del logprobs[rid]
                         if bar is not None:
                             bar.update(1)
-        finally:
-            self._abandon(rid for rid in ids if rid not in results)
+                        yield index[rid], result
+        finally:  # the caller stopped early (break, close, an exception): nothing of this call runs on
+            self._abandon(list(texts))
             if bar is not None:
                 bar.close()
-        return [results[rid] for rid in ids]

@@ -16,6 +16,9 @@ from typing import Iterable, Sequence
 
 import tokenizers
 
+from jaxoverlap.errors import InvalidRequestError
+from jaxoverlap.models.chat_template import ChatTemplate
+
 try:  # newer tokenizers releases; the ones the engine uses take prompt ids and lists of ids
     from tokenizers.decoders import DecodeStream as _DecodeStream
 except ImportError:
@@ -58,8 +61,10 @@ class Tokenizer:
         *,
         eos_token_ids: Iterable[int] = (),
         bos_token_id: int | None = None,
+        chat_template: "ChatTemplate | None" = None,
     ):
         self._tok = hf_tokenizer
+        self.chat_template = chat_template
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.bos_token_id = bos_token_id
 
@@ -84,7 +89,8 @@ class Tokenizer:
         # several there (e.g. <|im_end|> and <|endoftext|>), so take all of them.
         eos = _as_ids(gen.get("eos_token_id")) + special_id("eos_token") + _as_ids(mcfg.get("eos_token_id"))
         bos = special_id("bos_token") or _as_ids(gen.get("bos_token_id")) or _as_ids(mcfg.get("bos_token_id"))
-        return cls(tok, eos_token_ids=eos, bos_token_id=bos[0] if bos else None)
+        return cls(tok, eos_token_ids=eos, bos_token_id=bos[0] if bos else None,
+                   chat_template=ChatTemplate.from_path(model_path))
 
     @property
     def vocab_size(self) -> int:
@@ -104,6 +110,19 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The prompt text of a conversation under the checkpoint's chat template
+        (models/chat_template.py); InvalidRequestError if the model has none."""
+        if self.chat_template is None:
+            raise InvalidRequestError("this model has no chat template: give a prompt, not messages")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    def encode_chat(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """Token ids of a conversation. The template writes any BOS itself, so none is added
+        (as transformers' `apply_chat_template(tokenize=True)` does)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

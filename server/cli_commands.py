@@ -177,6 +177,11 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--timeout", type=float, default=None, help="deadline of the call in seconds")
     g = parser.add_argument_group("request")
     _add(g, "--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+    _add(g, "--chat", action="store_true",
+         help="send the prompt as a user message, under the model's chat template")
+    _add(g, "--system", default=None, help="with --chat: a system message before it")
+    _add(g, "--chat-template-kwargs", default=None,
+         help='with --chat: JSON object of template variables, e.g. \'{"enable_thinking": false}\'')
     _add(g, "--request-id", default=None)
     _add(g, "--max-new-tokens", type=int, default=None)
     _add(g, "--temperature", type=float, default=None)
@@ -228,6 +233,21 @@ def run_client(args) -> int:
                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
                         stop_token_ids=_ids(args.stop_token_ids), ignore_eos=args.ignore_eos, logprobs=args.logprobs)
         prompt = args.prompt if token_ids is None else token_ids
+        if args.chat:
+            if token_ids is not None:
+                print("--chat takes a prompt text, not --token-ids", file=sys.stderr)
+                return 2
+            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}]
+            if args.chat_template_kwargs:
+                try:
+                    sampling["chat_template_kwargs"] = json.loads(args.chat_template_kwargs)
+                except json.JSONDecodeError as e:
+                    print(f"--chat-template-kwargs is not JSON: {e}", file=sys.stderr)
+                    return 2
+        elif args.system or args.chat_template_kwargs:
+            print("--system and --chat-template-kwargs need --chat", file=sys.stderr)
+            return 2
         if args.json:
             r = client.generate_text(prompt, request_id=args.request_id, **sampling)
             print(json.dumps(r.__dict__, indent=2))

@@ -6,6 +6,7 @@
         for item in c.generate("Hello", max_new_tokens=32, temperature=0):
             print(item)                        # Chunk(...) ... then one Completion(...)
         result = c.generate_text([1, 2, 3], max_new_tokens=8)   # token ids work too
+        chat = c.generate_text([{"role": "user", "content": "Hi"}], chat_template_kwargs={"enable_thinking": False})
         print(result.text, result.finish_reason, c.model_info(), c.health())
 
 Errors arrive as grpc.RpcError (`.code()`, `.details()`), e.g. INVALID_ARGUMENT for bad input.
@@ -61,8 +62,14 @@ class GenerateResult:
     logprobs: list[float] | None = None
 
 
-def build_request(prompt: str | Sequence[int], request_id: str | None = None, **sampling) -> pb.GenerateRequest:
-    """A GenerateRequest for a text prompt or a sequence of token ids; None sampling values stay unset."""
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+def build_request(prompt: Prompt, request_id: str | None = None, *, chat_template_kwargs: dict | None = None,
+                  add_generation_prompt: bool | None = None, **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest for a text prompt, a sequence of token ids, or chat messages (dicts
+    with "role" and "content", made into the prompt by the server's chat template, which
+    `chat_template_kwargs` and `add_generation_prompt` go to). None sampling values stay unset."""
     unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
     if unknown:
         raise TypeError(f"unknown sampling options {unknown}; known: {list(SAMPLING_FIELDS)}")
@@ -77,8 +84,18 @@ def build_request(prompt: str | Sequence[int], request_id: str | None = None, **
         else:
             setattr(sp, name, value)
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=sp)
+    is_chat = not isinstance(prompt, str) and len(prompt) > 0 and isinstance(prompt[0], dict)
+    if not is_chat and (chat_template_kwargs is not None or add_generation_prompt is not None):
+        raise TypeError("chat_template_kwargs and add_generation_prompt are for chat messages only")
     if isinstance(prompt, str):
         req.text = prompt
+    elif is_chat:
+        for m in prompt:
+            req.chat.messages.add(role=m["role"], content=m["content"])
+        if add_generation_prompt is not None:
+            req.chat.add_generation_prompt = add_generation_prompt
+        if chat_template_kwargs:
+            req.chat.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)
     return req
@@ -102,7 +119,8 @@ def _result(chunks: list[Chunk], done: Completion) -> GenerateResult:
 
 def _model_info(r: pb.GetModelInfoResponse) -> dict:
     return {"model_name": r.model_name, "vocab_size": r.vocab_size, "max_context_len": r.max_context_len,
-            "eos_token_ids": list(r.eos_token_ids), "speculative_algorithm": r.speculative_algorithm}
+            "eos_token_ids": list(r.eos_token_ids), "speculative_algorithm": r.speculative_algorithm,
+            "has_chat_template": r.has_chat_template}
 
 
 def _server_info(r: pb.GetServerInfoResponse) -> dict:
@@ -175,13 +193,13 @@ class GenerationClient:
     def wait_ready(self, timeout: float = 30.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
 
-    def generate(self, prompt: str | Sequence[int], *, request_id: str | None = None, timeout: float | None = None,
+    def generate(self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
                  **sampling) -> GenerateStream:
         req = build_request(prompt, request_id, **sampling)
         call = self._stub.Generate(req, metadata=self._metadata, timeout=self._t(timeout))
         return GenerateStream(call, req.request_id)
 
-    def generate_text(self, prompt: str | Sequence[int], *, request_id: str | None = None,
+    def generate_text(self, prompt: Prompt, *, request_id: str | None = None,
                       timeout: float | None = None, **sampling) -> GenerateResult:
         chunks, done = [], None
         for item in self.generate(prompt, request_id=request_id, timeout=timeout, **sampling):
@@ -253,13 +271,13 @@ class AsyncGenerationClient:
     async def wait_ready(self, timeout: float = 30.0) -> None:
         await asyncio.wait_for(self.channel.channel_ready(), timeout)
 
-    def generate(self, prompt: str | Sequence[int], *, request_id: str | None = None, timeout: float | None = None,
+    def generate(self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
                  **sampling) -> AsyncGenerateStream:
         req = build_request(prompt, request_id, **sampling)
         call = self._stub.Generate(req, metadata=self._metadata, timeout=self._t(timeout))
         return AsyncGenerateStream(call, req.request_id)
 
-    async def generate_text(self, prompt: str | Sequence[int], *, request_id: str | None = None,
+    async def generate_text(self, prompt: Prompt, *, request_id: str | None = None,
                             timeout: float | None = None, **sampling) -> GenerateResult:
         chunks, done = [], None
         async for item in self.generate(prompt, request_id=request_id, timeout=timeout, **sampling):

@@ -198,6 +198,7 @@ def _read_model_info(engine) -> dict:
         "speculative_algorithm": _speculative_algorithm(engine),
         "max_running_requests": int(getattr(cfg, "max_running_requests", 0) or 0),
         "engine_config_json": json.dumps(cfg_dict, default=str, sort_keys=True),
+        "has_chat_template": getattr(tok, "chat_template", None) is not None,
     }
 
 
@@ -232,9 +233,29 @@ class _OutputQueue:
         return items
 
 
-def _tokenize_long(tokenizer, text: str) -> list[int]:
+def _tokenize_long(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """For a worker thread: the batch call, which releases the GIL (the single encode does not)."""
-    return tokenizer.encode_batch([text])[0]
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+
+def _chat_text(tokenizer, chat: pb.Chat) -> str:
+    """The prompt text of a `chat` input under the model's template; InvalidRequestError for a
+    conversation it refuses, bad template variables or a model without a template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError("this model has no chat template: send text or token_ids")
+    if not chat.messages:
+        raise InvalidRequestError("empty input: chat has no messages")
+    template_kwargs = {}
+    if chat.chat_template_kwargs_json:
+        try:
+            template_kwargs = json.loads(chat.chat_template_kwargs_json)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"chat_template_kwargs_json is not JSON: {e}") from None
+        if not isinstance(template_kwargs, dict):
+            raise InvalidRequestError("chat_template_kwargs_json must be a JSON object")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add, **template_kwargs)
 
 
 class GenerationServicer:
@@ -258,11 +279,18 @@ class GenerationServicer:
         if not self.accepting:
             raise _Rejected(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if call.input_fields > 1:
-            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of text and token_ids, not both")
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of text, token_ids and chat")
         kind = req.WhichOneof("input")
         if kind is None:
-            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "no input: set text or token_ids")
-        if kind == "text":
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "no input: set text, token_ids or chat")
+        if kind == "chat":
+            if self.tokenizer is None:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "this model has no tokenizer: send token_ids")
+            try:  # the template runs here, on the event loop: a conversation renders in microseconds
+                prompt = _chat_text(self.tokenizer, req.chat)
+            except InvalidRequestError as e:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        elif kind == "text":
             if not req.text:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty input: text is empty")
             if self.tokenizer is None:
@@ -292,12 +320,14 @@ class GenerationServicer:
                 raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too many queued requests: {len(self.streams)} in flight, the server admits "
                                 f"{limit} (max_running_requests + max_queued_requests={self.max_queued_requests})")
-        return rid, prompt, params
+        # The chat template writes any BOS itself, so a chat prompt's text is encoded without
+        # the tokenizer's special tokens (as transformers' apply_chat_template does).
+        return rid, prompt, params, kind != "chat"
 
     async def Generate(self, call: _GenerateCall, context):
         t0 = time.perf_counter()
         try:
-            rid, prompt, params = self._prepare(call)
+            rid, prompt, params, add_special_tokens = self._prepare(call)
         except _Rejected as r:
             await self._reject(context, r.code, r.message)
             return
@@ -311,9 +341,9 @@ class GenerationServicer:
             if isinstance(prompt, str):
                 try:
                     if len(prompt) > INLINE_TOKENIZE_MAX_CHARS:
-                        prompt = await asyncio.to_thread(_tokenize_long, self.tokenizer, prompt)
+                        prompt = await asyncio.to_thread(_tokenize_long, self.tokenizer, prompt, add_special_tokens)
                     else:
-                        prompt = self.tokenizer.encode(prompt)
+                        prompt = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
                 except Exception as e:  # noqa: BLE001 - a tokenizer bug; still answer with a status
                     logger.exception("tokenizing %s failed", rid)
                     await self._reject(context, grpc.StatusCode.INTERNAL, f"tokenizer failed: {e!r}")
@@ -432,7 +462,8 @@ class GenerationServicer:
         i = self.info
         return pb.GetModelInfoResponse(model_name=i["model_name"], vocab_size=i["vocab_size"],
                                        max_context_len=i["max_context_len"], eos_token_ids=i["eos_token_ids"],
-                                       speculative_algorithm=i["speculative_algorithm"])
+                                       speculative_algorithm=i["speculative_algorithm"],
+                                       has_chat_template=i.get("has_chat_template", False))
 
     async def GetServerInfo(self, request, context):
         try:

@@ -63,8 +63,10 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Streams the output of one prompt: zero or more `chunk`s, then exactly one
         `complete`. Errors end the stream with a status instead:
-        INVALID_ARGUMENT    no input, both inputs, empty input, token ids outside
-        the vocabulary, impossible sampling params
+        INVALID_ARGUMENT    no input, two inputs, empty input, token ids outside
+        the vocabulary, impossible sampling params, chat
+        messages the model's chat template refuses (or a
+        model without one)
         RESOURCE_EXHAUSTED  prompt does not fit the context, too many queued requests
         ALREADY_EXISTS      request_id is already running
         UNAVAILABLE         server is shutting down

@@ -25,14 +25,21 @@ class FakeTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.calls: list[tuple[str, int]] = []  # (method, thread id) of each encode call
+        self.special_flags: list[bool] = []  # add_special_tokens of each encode call
+        self.chat_template = None  # a models.chat_template.ChatTemplate, if a test sets one
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.calls.append(("encode", threading.get_ident()))
+        self.special_flags.append(add_special_tokens)
         return [b + 3 for b in text.encode("utf-8")]
 
-    def encode_batch(self, texts) -> list[list[int]]:
+    def encode_batch(self, texts, add_special_tokens: bool = True) -> list[list[int]]:
         self.calls.append(("encode_batch", threading.get_ident()))
+        self.special_flags.append(add_special_tokens)
         return [[b + 3 for b in t.encode("utf-8")] for t in texts]
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
     def decode(self, ids) -> str:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")

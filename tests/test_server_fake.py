@@ -516,3 +516,69 @@ def test_stop_closes_an_engine_the_worker_built_and_only_that():
     passed_in = fake_with_close()
     EngineWorker(passed_in).start().stop()
     assert closed == [built]  # the caller's engine is the caller's to close
+
+
+def test_chat_input_is_rendered_by_the_models_template(capsys):
+    """`chat` input: the server renders the messages with the model's template and encodes
+    the text without special tokens; the engine gets what the same text as token ids gives.
+    A model without a template, and conversations the template refuses, get INVALID_ARGUMENT."""
+    from jaxoverlap.models.chat_template import ChatTemplate
+
+    engine = _fake()
+    worker = EngineWorker(engine).start()
+    plain = ServerThread(worker).start()  # started before the model had a template
+    engine.tokenizer.chat_template = ChatTemplate(
+        "{% if messages | length > 2 %}{{ raise_exception('at most two messages') }}{% endif %}"
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% if short %}!{% endif %}{% endif %}")
+    chat = ServerThread(worker).start()
+    client = GenerationClient(chat.target, timeout=30)
+    try:
+        assert client.model_info()["has_chat_template"]
+        messages = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Héllo"}]
+        for kw, text in (({}, "[system]Be kind.[user]Héllo[assistant]"),
+                         ({"chat_template_kwargs": {"short": True}}, "[system]Be kind.[user]Héllo[assistant]!"),
+                         ({"add_generation_prompt": False}, "[system]Be kind.[user]Héllo")):
+            engine.tokenizer.special_flags.clear()
+            got = client.generate_text(messages, max_new_tokens=4, **kw)
+            assert engine.tokenizer.special_flags == [False]  # the template wrote the prompt's specials
+            want = client.generate_text(engine.tokenizer.encode(text), max_new_tokens=4)
+            assert (got.token_ids, got.prompt_tokens) == (want.token_ids, want.prompt_tokens), kw
+        refused = [
+            (messages * 2, "at most two messages"),
+            ([], "empty input"),
+        ]
+        for bad, word in refused:
+            req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in bad]))
+            with pytest.raises(grpc.RpcError) as e:
+                list(client._stub.Generate(req))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.details()
+        for kwargs_json, word in (("{", "not JSON"), ("[1]", "JSON object")):
+            req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")],
+                                                  chat_template_kwargs_json=kwargs_json))
+            with pytest.raises(grpc.RpcError) as e:
+                list(client._stub.Generate(req))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.details()
+        with pytest.raises(TypeError, match="chat messages only"):
+            build_request("text", chat_template_kwargs={"short": True})
+        parser = argparse.ArgumentParser()
+        cli_commands.add_client_args(parser)
+        args = ["--target", chat.target, "Héllo", "--chat", "--system", "Be kind.", "--json", "--max-new-tokens", "4"]
+        assert cli_commands.run_client(parser.parse_args(args)) == 0
+        want = client.generate_text(messages, max_new_tokens=4).token_ids
+        assert json.loads(capsys.readouterr().out)["token_ids"] == want
+        assert cli_commands.run_client(parser.parse_args(["--target", chat.target, "hi", "--system", "x"])) == 2
+        # The first server read the model's info before the template was set.
+        old = GenerationClient(plain.target, timeout=30)
+        assert not old.model_info()["has_chat_template"]
+        old.close()
+        engine.tokenizer.chat_template = None
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate_text(messages, max_new_tokens=2)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.value.details()
+        assert client.generate_text("still serving", max_new_tokens=2).finish_reason == "length"
+    finally:
+        client.close()
+        chat.stop()
+        plain.stop()
+        worker.stop()

@@ -198,9 +198,11 @@ def test_no_input_and_both_inputs(env):
     # Protobuf would keep only the last oneof member; a client that sets both must hear about it.
     both = (pb.GenerateRequest(request_id="both", text="hi").SerializeToString()
             + pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])).SerializeToString())
-    with pytest.raises(grpc.RpcError) as e:
-        _raw_generate(channel, both)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "both" in e.value.details()
+    chat = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])).SerializeToString()
+    for two in (both, pb.GenerateRequest(request_id="two", text="hi").SerializeToString() + chat):
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_generate(channel, two)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exactly one of" in e.value.details()
     ok = pb.GenerateRequest(request_id="ok", token_ids=pb.TokenIds(ids=[5, 6]),
                             sampling_params=pb.SamplingParams(max_new_tokens=2))
     assert _raw_generate(channel, ok.SerializeToString())[-1].complete.finish_reason in ("stop", "length")

@@ -1,0 +1,124 @@
+"""A checkpoint's chat template: chat messages -> the prompt text the model was trained on.
+
+Hugging Face checkpoints ship the template as Jinja source, in `tokenizer_config.json`
+("chat_template": a string, or a list of named templates) or, in newer checkpoints, in
+`chat_template.jinja`. It is rendered here with Jinja's sandbox under the conventions that
+`transformers`' `apply_chat_template` sets, since the templates are written against them:
+blocks trimmed and left-stripped, loop controls, a `raise_exception` global, a non-ASCII
+`tojson` filter, a `strftime_now` global, the special tokens as variables, and the
+`{% generation %}` tag (rendered as plain content; it only marks assistant spans for
+training masks). No transformers import: the engine needs only `jinja2`.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+from jaxoverlap.errors import InvalidRequestError
+
+# Special tokens of tokenizer_config.json that templates read as variables.
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _token_text(tok) -> str | None:
+    # tokenizer_config.json spells special tokens either as a string or as an AddedToken dict.
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+def _environment():
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    class GenerationTag(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}`: renders its body unchanged."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    """One compiled template plus the special-token variables it may read."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        import jinja2
+
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template does not compile: {e}") from e
+
+    def __getstate__(self):
+        # A compiled template does not pickle; an EngineProcess sends the tokenizer, and so
+        # this, to the server's process (grpc_server._engine_tokenizer).
+        return {"source": self.source, "special_tokens": self.special_tokens}
+
+    def __setstate__(self, state):
+        self.__init__(state["source"], state["special_tokens"])
+
+    @classmethod
+    def from_path(cls, model_path: str) -> "ChatTemplate | None":
+        """The checkpoint's template, or None if it has none: `chat_template.jinja` first
+        (newer checkpoints), then tokenizer_config.json's "chat_template" (a list of named
+        templates: the one named "default")."""
+        config = {}
+        config_path = os.path.join(model_path, "tokenizer_config.json")
+        if os.path.exists(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        specials = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
+        jinja_path = os.path.join(model_path, "chat_template.jinja")
+        if os.path.exists(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                return cls(f.read(), specials)
+        source = config.get("chat_template")
+        if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        return cls(source, specials) if isinstance(source, str) and source else None
+
+    def render(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The prompt text for `messages` (a list of {"role": ..., "content": ...}).
+        `template_kwargs` reach the template as variables (e.g. Qwen3's `enable_thinking`,
+        `tools`). A malformed conversation, or one the template refuses, raises
+        InvalidRequestError."""
+        check_messages(messages)
+        variables = dict(self.special_tokens)
+        variables.update(template_kwargs)
+        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
+        try:
+            return self._template.render(**variables)
+        except Exception as e:  # noqa: BLE001 - raise_exception(...), or messages the template cannot read
+            raise InvalidRequestError(f"the chat template refused the messages: {type(e).__name__}: {e}") from e
+
+
+def check_messages(messages) -> None:
+    """A conversation is a non-empty list of objects, each with a string "role"."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"message {i} must be an object with a string 'role', got {m!r}")

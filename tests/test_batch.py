@@ -1,0 +1,192 @@
+"""jaxoverlap/batch.py and `jaxoverlap batch`: JSONL requests in, JSONL results out. Results
+equal LLM.generate's, a bad line gets an error result while the rest run, and an interrupted
+run resumed gives each id exactly once with the same tokens as an uninterrupted run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxoverlap import LLM, SamplingParams
+from jaxoverlap.batch import run_batch
+from jaxoverlap.models.chat_template import ChatTemplate
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% if not think %}<think></think>{% endif %}{% endif %}")
+DEFAULTS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, max_running_requests=4, max_context_len=128, kv_cache_tokens=1024, page_size=8)
+
+
+def write_lines(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+def read_records(path) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+GOOD = [
+    {"id": "story", "prompt": "Once upon a time", "metadata": {"answer": [1, 2]}},
+    {"prompt_token_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0.9, "seed": 7, "max_new_tokens": 9}},
+    {"id": 30, "prompt": "The little dog", "sampling_params": {"logprobs": True}},
+    {"id": "30", "prompt": "The little dog"},  # "30" and 30 are different ids
+]
+BAD = [  # (line, id of its error result, what the error says)
+    ('{"id": "x", "prompt": "hi", "sampling_params": {"temperature": -1}}', "x", "temperature must be"),
+    ("not json", 7, "line 7 is not JSON"),
+    ('{"id": "y", "prompt": "hi", "sampling_params": {"tempreature": 1}}', "y", "unknown field(s) 'tempreature'"),
+    ('{"id": "z", "prompt": "hi", "answer": 3}', "z", "unknown field(s) 'answer'"),
+    ('{"id": "w", "prompt": "hi", "prompt_token_ids": [1]}', "w", "exactly one of"),
+    ('{"id": "v", "prompt_token_ids": [1, 100000]}', "v", "token id"),
+    ('{"id": "u", "prompt_token_ids": ' + json.dumps(list(range(1, 200))) + "}", "u", "prompt has 199 tokens"),
+    ('{"id": "t", "messages": [{"role": "user", "content": "hi"}]}', "t", "no chat template"),
+    ('{"id": "story", "prompt": "again"}', "story", "used by an earlier line"),
+    ('{"id": true, "prompt": "hi"}', 15, "id must be a string or an integer"),
+    ("[1, 2]", 16, "must be a JSON object"),
+]
+
+
+def expected(llm, line: dict):
+    params = DEFAULTS if "sampling_params" not in line else SamplingParams(
+        **{**{"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}, **line["sampling_params"]})
+    [res] = llm.generate([line.get("prompt", line.get("prompt_token_ids"))], params)
+    return res
+
+
+def test_results_equal_generate_and_bad_lines_get_errors(llm, tmp_path):
+    lines = GOOD + [""] + [b[0] for b in BAD]  # a blank line is skipped but counted in line numbers
+    out = str(tmp_path / "out.jsonl")
+    summary = run_batch(llm, write_lines(tmp_path / "in.jsonl", lines), out, DEFAULTS, progress=False)
+    records = read_records(out)
+    assert summary.lines == len(GOOD) + len(BAD) and summary.generated == len(GOOD) and summary.errors == len(BAD)
+    errors = {json.dumps(r["id"]): r["error"] for r in records if "error" in r}
+    for _, rid, message in BAD:
+        assert message in errors[json.dumps(rid)], (rid, errors[json.dumps(rid)])
+    results = {json.dumps(r["id"]): r for r in records if "error" not in r}
+    for i, line in enumerate(GOOD, start=1):
+        r = results[json.dumps(line.get("id", i))]
+        want = expected(llm, line)
+        assert r["token_ids"] == want.token_ids and r["text"] == want.text
+        assert r["finish_reason"] == "length" and r["output_tokens"] == len(want.token_ids)
+        assert r["prompt_tokens"] == len(want.prompt_token_ids)
+        assert ("logprobs" in r) == bool(line.get("sampling_params", {}).get("logprobs"))
+        assert r.get("metadata") == line.get("metadata")
+    assert results['"30"']["token_ids"] == results["30"]["token_ids"]
+    assert summary.output_tokens == sum(r["output_tokens"] for r in results.values())
+    llm.engine.check_integrity()
+
+
+def test_an_interrupted_run_resumes_to_each_id_once_with_the_same_tokens(llm, tmp_path):
+    lines = [{"id": f"q{i}", "prompt": f"Story number {i} begins", "sampling_params": {
+        "max_new_tokens": 4 + i % 5, "temperature": 0.0 if i % 2 else 0.8, "seed": i}} for i in range(10)]
+    lines.append('{"id": "bad", "prompt": "x", "sampling_params": {"top_p": 0}}')
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    full = str(tmp_path / "full.jsonl")
+    run_batch(llm, inp, full, DEFAULTS, progress=False)
+    want = {r["id"]: r["token_ids"] for r in read_records(full) if "error" not in r}
+    assert len(want) == 10
+
+    out = str(tmp_path / "out.jsonl")
+    engine, step, calls = llm.engine, llm.engine.step, []
+
+    def interrupted_step():  # Ctrl-C part way through
+        calls.append(1)
+        if len(calls) == 12:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted_step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_batch(llm, inp, out, DEFAULTS, progress=False)
+    finally:
+        del engine.step
+    leftover = [o for o in engine.drain() if o.finished]
+    assert all(o.finish_reason == "abort" for o in leftover) and not engine.requests
+    first = read_records(out)
+    finished_first = {r["id"] for r in first if "error" not in r}
+    assert 0 < len(finished_first) < 10
+    with open(out, "a", encoding="utf-8") as f:
+        f.write('{"id": "q9", "text": "cut sh')  # a write cut short by the interruption
+
+    with pytest.raises(FileExistsError):
+        run_batch(llm, inp, out, DEFAULTS, progress=False)
+    summary = run_batch(llm, inp, out, DEFAULTS, progress=False, resume=True)
+    assert summary.done_before == len(finished_first) and summary.generated == 10 - len(finished_first)
+    records = read_records(out)
+    ids = [r["id"] for r in records]
+    assert sorted(ids) == sorted(list(want) + ["bad"]), "each id once, the old error line dropped"
+    assert {r["id"]: r["token_ids"] for r in records if "error" not in r} == want
+    summary = run_batch(llm, inp, out, DEFAULTS, progress=False, overwrite=True)
+    assert summary.generated == 10 and len(read_records(out)) == 11
+
+
+def test_messages_use_the_chat_template(llm, tmp_path):
+    tokenizer = llm.engine.tokenizer
+    tokenizer.chat_template = ChatTemplate(CHATML)
+    try:
+        conversation = [{"role": "system", "content": "Tell tales."}, {"role": "user", "content": "A fox"}]
+        lines = [{"id": "plain", "messages": conversation},
+                 {"id": "think", "messages": conversation, "chat_template_kwargs": {"think": True}},
+                 {"id": "bad", "messages": [{"content": "no role"}]},
+                 {"id": "kw", "prompt": "x", "chat_template_kwargs": {"think": True}}]
+        out = str(tmp_path / "out.jsonl")
+        run_batch(llm, write_lines(tmp_path / "in.jsonl", lines), out, DEFAULTS, progress=False,
+                  chat_template_kwargs={"think": False})
+        records = {r["id"]: r for r in read_records(out)}
+        for rid, think in (("plain", False), ("think", True)):
+            [want] = llm.chat(conversation, DEFAULTS, think=think)
+            assert want.prompt_token_ids == tokenizer.encode_chat(conversation, think=think)
+            assert records[rid]["token_ids"] == want.token_ids
+            assert records[rid]["prompt_tokens"] == len(want.prompt_token_ids)
+        assert records["plain"]["prompt_tokens"] != records["think"]["prompt_tokens"]
+        assert "string 'role'" in records["bad"]["error"]
+        assert "for messages only" in records["kw"]["error"]
+    finally:
+        tokenizer.chat_template = None
+
+
+def test_cli_batch(tmp_path, capsys):
+    from jaxoverlap.cli import main
+
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": ""}])
+    out = tmp_path / "out.jsonl"
+    args = ["batch", inp, "-o", str(out), "--max-new-tokens", "3", "--no-progress", "--max-running-requests", "2",
+            "--max-context-len", "64", "--kv-cache-tokens", "256", "--page-size", "8"]
+    assert main(args) == 0
+    records = {r["id"]: r for r in read_records(out)}
+    assert len(records["a"]["token_ids"]) <= 3 and "error" in records["b"]
+    assert "2 requests: 1 generated, 1 errors" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="exists"):
+        main(args)
+    with pytest.raises(SystemExit, match="not JSON"):
+        main(args + ["--resume", "--chat-template-kwargs", "{"])
+
+
+def test_cli_chat_with_a_checkpoints_template(tmp_path, capsys):
+    """A checkpoint whose tokenizer_config.json has a chat template: `generate --chat` and a
+    `batch` line of messages give the same tokens for the same conversation."""
+    import shutil
+
+    from jaxoverlap.cli import main
+    from jaxoverlap.models.loader import default_model_path
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model_path(), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    engine_args = ["--model", str(model), "--max-new-tokens", "5", "--max-running-requests", "2",
+                   "--max-context-len", "64", "--kv-cache-tokens", "256", "--page-size", "8"]
+    assert main(["generate", "A fox", "--chat", "--system", "Tell tales.", "--json", *engine_args]) == 0
+    generated = json.loads(capsys.readouterr().out)
+    messages = [{"role": "system", "content": "Tell tales."}, {"role": "user", "content": "A fox"}]
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "messages": messages}])
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", inp, "-o", str(out), "--no-progress", *engine_args]) == 0
+    [record] = read_records(out)
+    assert record["token_ids"] == generated["token_ids"] and record["text"] == generated["text"]

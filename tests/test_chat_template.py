@@ -1,0 +1,154 @@
+"""models/chat_template.py: chat templates render as transformers' apply_chat_template does
+(text and token ids), are found where checkpoints keep them, and refuse bad conversations
+with InvalidRequestError."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from jaxoverlap.errors import InvalidRequestError
+from jaxoverlap.models.chat_template import ChatTemplate
+from jaxoverlap.models.loader import default_model_path
+from jaxoverlap.models.tokenizer import Tokenizer
+
+# A ChatML template in the style of Qwen3's: whitespace control, a default system turn, tools
+# through tojson, loop controls, a template variable (enable_thinking) and raise_exception.
+CHATML = """
+{%- if tools %}
+<|im_start|>system
+{{- messages[0].content if messages[0].role == 'system' else 'You are helpful.' }}
+# Tools
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{%- elif messages[0].role != 'system' %}
+<|im_start|>system
+You are helpful.<|im_end|>
+{%- endif %}
+{% for message in messages %}
+{%- if message.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + message.role) }}{% endif %}
+{%- if message.role == 'system' and tools %}{% continue %}{% endif %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% if loop.index > 20 %}{% break %}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}
+{%- endif %}
+"""
+
+# Llama-3 style: the BOS is the template's own, a date from strftime_now, generation tags.
+LLAMA = """{{- bos_token }}
+{%- for message in messages %}
+{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
+{%- if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim }}{% endgeneration %}
+{%- else %}{{ message['content'] | trim }}{% endif %}
+{{- '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\nYear ' + strftime_now('%Y') + '\\n' }}{% endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Bonjour, ça va ? 中文"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "  Hello!  "}, {"role": "user", "content": "Again"}],
+]
+# Special tokens of the embedded model's vocabulary, so that both sides encode them as one id.
+SPECIALS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+TOOLS = [{"type": "function", "function": {"name": "météo", "parameters": {"city": "string"}}}]
+
+
+@pytest.fixture(scope="module")
+def base() -> Tokenizer:
+    return Tokenizer.from_path(default_model_path())
+
+
+def _hf_tokenizer(base: Tokenizer, template: str):
+    import tokenizers
+    import transformers
+
+    # A copy: transformers may register the special tokens on the object it is given.
+    copy = tokenizers.Tokenizer.from_str(base.hf_tokenizer.to_str())
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=copy, chat_template=template, **SPECIALS)
+
+
+def _ids(encoded) -> list[int]:
+    # transformers returns a list of ids or, in newer releases, a BatchEncoding.
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA], ids=["chatml", "llama"])
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("kwargs", [{}, {"add_generation_prompt": False}, {"enable_thinking": False},
+                                    {"tools": TOOLS}], ids=["plain", "no_gen_prompt", "no_thinking", "tools"])
+def test_renders_as_transformers_does(base, template, conversation, kwargs):
+    messages = CONVERSATIONS[conversation]
+    ours = Tokenizer(base.hf_tokenizer, chat_template=ChatTemplate(template, SPECIALS))
+    hf = _hf_tokenizer(base, template)
+    kw = dict(kwargs)
+    add = kw.pop("add_generation_prompt", True)
+    want_text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add, **kw)
+    assert ours.apply_chat_template(messages, add_generation_prompt=add, **kw) == want_text
+    want_ids = _ids(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add, **kw))
+    assert ours.encode_chat(messages, add_generation_prompt=add, **kw) == want_ids
+    if "tools" in kw and template is CHATML:
+        assert "météo" in want_text  # tojson keeps non-ASCII text as it is
+
+
+def test_template_refusals_and_malformed_messages_are_invalid_requests(base):
+    tok = Tokenizer(base.hf_tokenizer, chat_template=ChatTemplate(CHATML))
+    with pytest.raises(InvalidRequestError, match="unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    for bad in ([], "hello", [{"content": "no role"}], [{"role": 3, "content": "x"}], ["text"]):
+        with pytest.raises(InvalidRequestError, match="message"):
+            tok.apply_chat_template(bad)
+    # A template that cannot read what it was given says so, as a bad request.
+    tok = Tokenizer(base.hf_tokenizer, chat_template=ChatTemplate("{{ messages[0].content.upper() + 1 }}"))
+    with pytest.raises(InvalidRequestError, match="refused"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="does not compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_a_model_without_a_template_refuses_messages(base):
+    assert base.chat_template is None  # the embedded model has none
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        base.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_found_where_checkpoints_keep_it(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(default_model_path(), model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["bos_token"] = {"content": "<|im_start|>", "special": True}  # an AddedToken dict
+
+    def save(**fields):
+        config_path.write_text(json.dumps({**config, **fields}))
+        return Tokenizer.from_path(str(model)).chat_template
+
+    message = [{"role": "user", "content": "hi"}]
+    assert save(chat_template="A{{ bos_token }}{{ messages[0].content }}").render(message) == "A<|im_start|>hi"
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}]
+    assert save(chat_template=named).render(message) == "D" + config["eos_token"]
+    (model / "chat_template.jinja").write_text("J{{ messages | length }}")
+    assert save(chat_template="ignored").render(message) == "J1"  # the .jinja file comes first
+    os.remove(model / "chat_template.jinja")
+    assert save(chat_template=[{"name": "tool_use", "template": "T"}]) is None
+
+
+def test_a_tokenizer_with_its_template_pickles(base):
+    """An EngineProcess sends the engine's tokenizer to the server's process by pickling it."""
+    import pickle
+
+    tok = Tokenizer(base.hf_tokenizer, chat_template=ChatTemplate(CHATML, SPECIALS))
+    copy = pickle.loads(pickle.dumps(tok))
+    messages = CONVERSATIONS[1]
+    assert copy.encode_chat(messages, tools=TOOLS) == tok.encode_chat(messages, tools=TOOLS)
+    assert copy.chat_template.special_tokens == SPECIALS
