@@ -2,7 +2,9 @@
 
 Pure Python. Each node holds one full page: the `page_size` tokens of that page and the page
 number. A request that matches a prefix locks the nodes on its path (they can't be evicted
-while it runs) and unlocks them when it ends; a finished request inserts its full pages.
+while it runs) and unlocks them when it ends. A request's prompt pages go in, locked for it,
+as soon as its prefill is scheduled (Scheduler._share_prefilled_pages), and a finished
+request inserts the rest of its full pages.
 
 Eviction runs on the scheduler's path whenever the free pages run short, which in a
 long-running server (the cache holding every old prefix) is nearly every step. So it must

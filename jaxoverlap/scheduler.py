@@ -186,7 +186,9 @@ class Scheduler:
             and budget > 0
             and self.prefilling is None
             and len(rows) < self.cfg.max_prefill_requests
-            and len(self.running) + len(rows) < self.cfg.max_running
+            # Rows whose prompt this batch completes are in `running` already; a row that
+            # does not complete it is `prefilling`, which ends the loop.
+            and len(self.running) < self.cfg.max_running
             and self.entries.can_allocate()
         ):
             req = self.waiting[0]
@@ -228,6 +230,7 @@ class Scheduler:
         rows.append(BatchRow(req, req.epoch, start=req.prefill_pos, length=n, is_last=is_last))
         req.prefill_pos += n
         req.kv_committed = req.prefill_pos  # the launched chunk will have written these
+        self._share_prefilled_pages(req)
         if is_last:
             # Decodable at once: the next decode step reads the relay entry this prefill
             # writes, and the device runs the two in order.
@@ -236,6 +239,33 @@ class Scheduler:
         else:
             self.prefilling = req
         return n
+
+    def _share_prefilled_pages(self, req: Request) -> None:
+        """Put the full pages that this request's prefill has written, once the chunk just
+        scheduled has run, into the prefix cache now, locked for the request as if it had
+        matched them. A request admitted later, even into the same prefill batch, then
+        shares them instead of prefilling the same tokens again: n samples of one prompt, or
+        many requests with one system prompt, that arrive together. Safe under overlap
+        because the device runs steps in launch order, and within a step each layer writes
+        every row's K/V before any row attends. A page another request cached first for the
+        same tokens stops the sharing there: this request keeps its own copy, and its pages
+        after that one stay private (an unlocked page of ours in the tree could be evicted
+        under it)."""
+        if not self.prefix.enabled:
+            return
+        ps = self.cfg.page_size
+        n_full = max(0, req.kv_committed - self.cfg.cache_lag) // ps
+        have = len(req.prefix_nodes)
+        if n_full <= have:
+            return
+        tokens = req.fill_ids[: n_full * ps]
+        if len(self.prefix.match(tokens)) > have:
+            return  # the node after our last shared page is another request's
+        rejected = self.prefix.insert(tokens, req.pages[:n_full])
+        assert not rejected, "pages past a request's shared prefix are its own"
+        new = self.prefix.match(tokens)[have:]
+        self.prefix.lock(new)
+        req.prefix_nodes = req.prefix_nodes + new
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:
@@ -301,6 +331,9 @@ class Scheduler:
             self._retract(victim)
             targets = self._row_targets()
             short = shortfall(targets)
+            if short > 0:  # the victim's shared prompt pages went to the cache, not to the free pages
+                self.pages.free(self.prefix.evict(short))
+                short = shortfall(targets)
         return targets
 
     def _retract(self, req: Request) -> None:

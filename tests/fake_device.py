@@ -65,16 +65,38 @@ class FakeDevice:
 
 # -- the host-side loop around the fake device, shared by the scheduler tests --------------------
 
-def check_writes(sched, writes):
-    """Every slot a step writes is in a page its request owns and does not share."""
-    cached = set(sched.prefix.pages())
+def cached_nodes(prefix) -> dict:
+    """{page: radix node} of every page in the prefix cache."""
+    out, stack = {}, list(prefix._root.children.values())
+    while stack:
+        n = stack.pop()
+        out[n.page] = n
+        stack.extend(n.children.values())
+    return out
+
+
+def check_writes(sched, writes, cached_before=None):
+    """Every slot a step writes is in a page its request owns and no other request reads:
+    never a page whose cached content was there before the step was scheduled (the same
+    radix node before and after; an evicted page may be given out and filled again), and a
+    page that the step's scheduling put into the cache (a prefill's pages are shared at
+    once) only by the one request that fills it. `cached_before`: cached_nodes() before
+    `schedule()` (default: now)."""
+    cached = cached_nodes(sched.prefix)
+    cached_before = cached if cached_before is None else cached_before
+    fillers = {}
     for r, pos, slot in writes:
         if pos >= sched.cfg.table_width:
             assert slot == 0
             continue
         page = slot // sched.cfg.page_size
         assert page in r.pages, f"{r.request_id} wrote position {pos} into page {page}, outside its reserved row"
-        assert page not in cached, f"{r.request_id} wrote position {pos} into a shared cached page"
+        node = cached.get(page)
+        assert node is None or cached_before.get(page) is not node, \
+            f"{r.request_id} wrote position {pos} into a shared cached page"
+        if node is not None:
+            filler = fillers.setdefault(page, r.request_id)
+            assert filler == r.request_id, f"{r.request_id} wrote into page {page}, shared by {filler} this step"
 
 
 def drive(sched, dev, arrivals, overlap=True, max_steps=5000):
@@ -85,11 +107,12 @@ def drive(sched, dev, arrivals, overlap=True, max_steps=5000):
     while step < max_steps and (sched.has_work() or inflight is not None or any(k >= step for k in arrivals)):
         for r in arrivals.get(step, []):
             sched.add(r)
+        cached_before = cached_nodes(sched.prefix)
         batch = sched.schedule()
         launched = None
         if batch is not None:
             out = dev.run(batch)
-            check_writes(sched, out[2])
+            check_writes(sched, out[2], cached_before)
             accept = out[3] if len(out) == 4 else None
             launched = (batch, out[0], out[1], accept)
         prev, inflight = (inflight, launched) if overlap else (launched, None)

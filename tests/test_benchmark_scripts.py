@@ -75,6 +75,21 @@ def test_host_text_bench(tmp_path):
     assert res["add_request_ids_ms"] > 0 and res["add_request_text_ms"] > 0
 
 
+def test_shared_prompt_bench(tmp_path):
+    res = run_script(tmp_path, "shared_prompt_bench", "--tiny", "--num-requests", "4", "--prompt-len", "64",
+                     "--system-len", "32", "--user-len", "8", "--new-tokens", "4", "--chunked-prefill-size", "64")
+    rows = res["rows"]
+    assert [(r["workload"], r["prefix_cache"]) for r in rows] == \
+        [(w, c) for w in ("samples", "system") for c in ("on", "off", "off", "on")]
+    # Exact token counts: with the cache off every prompt is prefilled whole; on, the first
+    # request prefills its prompt and the others what follows the shared pages (page 16).
+    for r in rows:
+        assert r["requests"] == 4
+        want = r["prompt_tokens"] if r["prefix_cache"] == "off" else {"samples": 64 + 3 * 16, "system": 40 + 3 * 8}[
+            r["workload"]]
+        assert r["prefilled_tokens"] == want, r
+
+
 @pytest.mark.timeout(400)
 def test_hf_compare(tmp_path):
     res = run_script(tmp_path, "hf_compare", "--tiny", "--batch-sizes", "2", "--new-tokens", "8", "--prompt-len", "16")

@@ -197,3 +197,27 @@ def test_loop_totals_count_a_host_bound_iteration_only_under_overlap():
     assert totals.host_bound_iterations == 2
     assert totals.decode_iterations == 4 and totals.prefill_iterations == 0
     assert totals.wait_s == pytest.approx(5 * 0.003)
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_match_the_dense_reference():
+    """n samples of one prompt submitted together (pass@k): all but the first reuse the
+    first's prompt pages, in the same prefill batch, while they are being written. Greedy
+    samples equal the dense reference; seeded samples equal the same request run alone."""
+    cfg = tiny_config()
+    params = tiny_params(cfg)
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(0, VOCAB, size=23)]  # 5 full pages of 4, and 3 tokens
+    sampled = [SamplingParams(max_new_tokens=12, temperature=0.9, seed=s, ignore_eos=True) for s in range(3)]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    eng = make_engine()
+    finals = run_workload(eng, {0: [(f"s{i}", prompt, p) for i, p in enumerate(sampled)] + [("g", prompt, greedy)]})
+    assert [finals[k].metrics.cached_prompt_tokens for k in ("s0", "s1", "s2", "g")] == [0, 20, 20, 20]
+    assert_drained(eng)
+    for i, p in enumerate(sampled):
+        alone = run_workload(make_engine(disable_prefix_cache=True), {0: [("x", prompt, p)]})["x"]
+        assert finals[f"s{i}"].token_ids == alone.token_ids
+    assert len({tuple(finals[f"s{i}"].token_ids) for i in range(3)}) > 1  # the seeds differ
+    seq = list(prompt)
+    for _ in range(12):
+        seq.append(int(jnp.argmax(dense_logits(params, cfg, jnp.asarray(seq, jnp.int32))[-1])))
+    assert finals["g"].token_ids == seq[len(prompt):]

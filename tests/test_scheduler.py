@@ -176,3 +176,58 @@ def test_reservation_slack_never_takes_pages_a_row_needs():
     share, retractions = _reserving_steps(8, num_pages=tight)
     assert retractions == 0
     assert share > _reserving_steps(8)[0]
+
+
+def test_requests_arriving_together_share_a_prompt_prefilled_once():
+    """n samples of one prompt, or requests with one system prompt, that arrive together:
+    the first request's prefill puts its full pages into the prefix cache as it is
+    scheduled, so the others (in the same prefill batch and after it) prefill only their own
+    tail, and everything still drains and frees."""
+    sched, dev = make_scheduler(num_pages=64, page_size=4, chunk=48)
+    prompt = list(range(1, 21))  # 5 full pages
+    samples = [req(i, 0, 3, prefix=prompt) for i in range(4)]
+    for r in samples:
+        sched.add(r)
+    batch = sched.schedule()
+    # The match keeps one token to compute: 4 of the 5 pages are shared.
+    assert [(row.req.request_id, row.start, row.length) for row in batch.rows] == \
+        [("r0", 0, 20), ("r1", 16, 4), ("r2", 16, 4), ("r3", 16, 4)]
+    assert [r.metrics.cached_prompt_tokens for r in samples] == [0, 16, 16, 16]
+    assert all(r.pages[:4] == samples[0].pages[:4] for r in samples)
+    dev.run(batch)
+    sched.check_integrity()
+
+    # A long system prompt in chunks, requests arriving while it is prefilled.
+    sched, dev = make_scheduler(num_pages=64, page_size=4, chunk=16, max_context=128)
+    system = list(range(1, 41))  # 10 pages, three chunks
+    users = [req(10 + i, 5, 4, prefix=system) for i in range(3)]
+    done = drive(sched, dev, {0: users[:1], 1: users[1:2], 3: users[2:]})
+    assert len(done) == 3 and all(len(r.output_ids) == 4 for r in done)
+    assert users[0].metrics.cached_prompt_tokens == 0
+    # One prompt is chunked at a time, so the second joins the batch of the first's last
+    # chunk, and shares every page of the system prompt that the batch completes.
+    assert users[1].metrics.cached_prompt_tokens == users[2].metrics.cached_prompt_tokens == 40
+    assert sched.pages.num_free + sched.prefix.num_pages == sched.pages.capacity
+
+
+def test_sharing_stops_at_a_page_another_request_cached_first():
+    """A chunked prompt whose next pages another request cached first (a finished request
+    of the same conversation, say): it keeps its own copies private, so that no page of its
+    sits unlocked in the cache under another request's, and everything drains and frees."""
+    sched, dev = make_scheduler(num_pages=64, page_size=4, chunk=8, max_context=128)
+    b = req(1, 30, 3)  # 30 tokens: chunks of 8
+    sched.add(b)
+    batch = sched.schedule()
+    sched.process(batch, *dev.run(batch)[:2])
+    assert [n.page for n in b.prefix_nodes] == b.pages[:2]  # its first chunk is shared at once
+    # Another request caches the pages of b's next 8 tokens (as its release would).
+    other = sched.pages.allocate(2)
+    assert not sched.prefix.insert(b.fill_ids[:16], b.pages[:2] + other)
+    batch = sched.schedule()
+    sched.process(batch, *dev.run(batch)[:2])
+    assert [n.page for n in b.prefix_nodes] == b.pages[:2], "b's pages 2-3 hold tokens cached as other pages"
+    assert not set(other) & set(b.pages)
+    sched.check_integrity()
+    done = drive(sched, dev, {})
+    assert [r.request_id for r in done] == ["r1"] and len(b.output_ids) == 3
+    assert sched.pages.num_free + sched.prefix.num_pages == sched.pages.capacity
