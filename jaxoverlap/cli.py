@@ -149,9 +149,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if not isinstance(template_kwargs, dict):
         sys.exit("--chat-template-kwargs must be a JSON object")
     with LLM(args.model, **engine_options(args)) as llm:
-        summary = run_batch(llm, args.input, args.output, sampling_params(args), resume=args.resume,
-                            overwrite=args.overwrite, progress=not args.no_progress,
-                            chat_template_kwargs=template_kwargs)
+        try:
+            summary = run_batch(llm, args.input, args.output, sampling_params(args), resume=args.resume,
+                                overwrite=args.overwrite, progress=not args.no_progress,
+                                chat_template_kwargs=template_kwargs)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: the results finished so far are in {args.output}; run again with --resume "
+                  "to finish the rest", file=sys.stderr)
+            return 130
     print_summary(summary)
     return 0
 

@@ -151,7 +151,7 @@ def test_messages_use_the_chat_template(llm, tmp_path):
         tokenizer.chat_template = None
 
 
-def test_cli_batch(tmp_path, capsys):
+def test_cli_batch(tmp_path, capsys, monkeypatch):
     from jaxoverlap.cli import main
 
     inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": ""}])
@@ -166,6 +166,14 @@ def test_cli_batch(tmp_path, capsys):
         main(args)
     with pytest.raises(SystemExit, match="not JSON"):
         main(args + ["--resume", "--chat-template-kwargs", "{"])
+
+    def interrupted(*a, **kw):  # Ctrl-C part way through
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("jaxoverlap.batch.run_batch", interrupted)
+    capsys.readouterr()
+    assert main(args + ["--resume"]) == 130
+    assert "--resume" in capsys.readouterr().err
 
 
 def test_cli_chat_with_a_checkpoints_template(tmp_path, capsys):
