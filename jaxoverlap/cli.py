@@ -80,6 +80,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", action="store_true")
+    g.add_argument("--prompt-logprobs", action="store_true",
+                   help="each prompt token's logprob given the ones before it (loglikelihood scoring)")
 
 
 def sampling_params(args: argparse.Namespace):
@@ -88,7 +90,7 @@ def sampling_params(args: argparse.Namespace):
     return SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, seed=args.sampling_seed, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
     )
 
 
@@ -121,6 +123,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps({
                 "prompt": prompt, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                 "ttft_s": r.metrics.time_to_first_token, "tokens_per_s": r.metrics.tokens_per_second,
+                **({"logprobs": r.logprobs} if r.logprobs is not None else {}),
+                **({"prompt_logprobs": r.prompt_logprobs, "prompt_top1": r.prompt_top1}
+                   if r.prompt_logprobs is not None else {}),
             }))
         else:
             print(f"{prompt}{r.text}")

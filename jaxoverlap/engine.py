@@ -357,6 +357,9 @@ class Engine:
             raise EngineClosedError("the engine is closed")
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params is not None and params.prompt_logprobs and self.config.speculative_algorithm:
+            raise InvalidRequestError("prompt_logprobs is not available with speculative decoding: "
+                                      "score prompts on an engine without a drafter")
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) >= self.max_context_len:
             raise PromptTooLongError(
@@ -482,7 +485,7 @@ class Engine:
             wait_s = time.perf_counter() - t
             s = self.scheduler
             before = (s.num_accepted_tokens, s.num_verify_rows)
-            updated = s.process(launched.batch, tokens, logprobs, accept_lens)
+            updated = s.process(launched.batch, tokens, logprobs, accept_lens, launched.prompt_logprobs())
             self._accepted = (s.num_accepted_tokens - before[0], s.num_verify_rows - before[1])
         finished = self.scheduler.poll_finished()
         return wait_s, self._make_outputs(updated, finished), found_done
@@ -543,8 +546,11 @@ class Engine:
                 req.pending_text = ""
             req.num_emitted = n_ids
             self.tokens_generated += len(new_ids)
-            outputs.append(RequestOutput(req.request_id, new_ids, new_text, finished, req.finish_reason,
-                                         req.metrics, new_lp, req.output_ids, n_ids))
+            out = RequestOutput(req.request_id, new_ids, new_text, finished, req.finish_reason, req.metrics, new_lp,
+                                req.output_ids, n_ids)
+            if finished and req.prompt_logprobs is not None:
+                out.prompt_logprobs, out.prompt_top1 = req.prompt_logprobs, req.prompt_top1
+            outputs.append(out)
             if finished:
                 self.requests.pop(req.request_id, None)
         return outputs

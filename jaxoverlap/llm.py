@@ -152,6 +152,7 @@ class LLM:
                             request_id=rid, prompt_token_ids=prompt_ids[rid], token_ids=out.token_ids,
                             text="".join(texts.pop(rid)), finish_reason=out.finish_reason, metrics=out.metrics,
                             logprobs=logprobs[rid] if out.new_logprobs is not None else None,
+                            prompt_logprobs=out.prompt_logprobs, prompt_top1=out.prompt_top1,
                         )
                         del logprobs[rid]
                         if bar is not None:

@@ -50,6 +50,11 @@ class RequestOutput:
     # only when asked, so a step does not copy every running request's whole output.
     _output_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
     _num_tokens: int = 0
+    # SamplingParams.prompt_logprobs, on the final update: per prompt position, its token's
+    # logprob given the tokens before it, and whether it was the model's top choice (None
+    # at position 0, which nothing precedes).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top1: list[bool | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -68,6 +73,8 @@ class GenerationResult:
     finish_reason: str
     metrics: RequestMetrics
     logprobs: list[float] | None = None
+    prompt_logprobs: list[float | None] | None = None  # SamplingParams.prompt_logprobs (RequestOutput)
+    prompt_top1: list[bool | None] | None = None
 
 
 class OutputText:

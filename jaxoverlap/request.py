@@ -58,12 +58,21 @@ class Request:
     pending_text: str = ""
     detok: object = None  # the tokenizer's incremental decoder
 
+    # SamplingParams.prompt_logprobs: per prompt position, the logprob of its token given
+    # the tokens before it and whether it was the argmax there (None at position 0), filled
+    # in as the prefill chunks' results arrive.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top1: list[bool | None] | None = None
+
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
 
     def __post_init__(self):
         self.metrics.arrival_time = self.arrival_time
         self.metrics.prompt_tokens = len(self.prompt_ids)
         self.fill_ids = list(self.prompt_ids)
+        if self.params.prompt_logprobs:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+            self.prompt_top1 = [None] * len(self.prompt_ids)
 
     @property
     def all_ids(self) -> list[int]:

@@ -40,6 +40,13 @@ class LaunchedStep:
         Returns (tokens, logprobs, accept_lens or None for plain steps)."""
         return type(self.out).unpack(np.asarray(self.out.packed))
 
+    def prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """After fetch: a prefill's [R, Q] prompt-token logprobs and argmax flags, if a row
+        asked for them (steps.PromptLogprobOutput), else None."""
+        if not isinstance(self.out, steps.PromptLogprobOutput):
+            return None
+        return steps.PromptLogprobOutput.prompt_part(np.asarray(self.out.packed))
+
 
 def batch_samples(batch: ScheduledBatch) -> bool:
     """Whether any row of a decode batch samples (temperature > 0): a static flag of the
@@ -61,6 +68,20 @@ def _sampling_arrays(rows, num_rows: int):
         p = row.req.params
         temperature[i], top_k[i], top_p[i], min_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.min_p, row.req.seed
     return temperature, top_k, top_p, min_p, seed
+
+
+def _prompt_targets(rows, R: int, T: int) -> np.ndarray | None:
+    """For a prefill in which some row asked for its prompt's logprobs: [R, T], the prompt
+    token after each position of each row's chunk (0 past the prompt). None otherwise, which
+    keeps the ordinary program."""
+    if not any(row.req.params.prompt_logprobs for row in rows):
+        return None
+    targets = np.zeros((R, T), np.int32)
+    for i, row in enumerate(rows):
+        prompt = row.req.prompt_ids
+        nxt = prompt[row.start + 1 : min(row.start + row.length + 1, len(prompt))]
+        targets[i, : len(nxt)] = nxt
+    return targets
 
 
 class DeviceInputs:
@@ -456,8 +477,8 @@ class ModelRunner:
     def _prefill_res_capacity(self, R: int) -> int:
         return R * self.pages_per_row
 
-    def _prefill_key(self, R: int, T: int, ctx_len: int) -> tuple:
-        return (R, T, ctx_len, self.attention, self._layout_key())
+    def _prefill_key(self, R: int, T: int, ctx_len: int, prompt_logprobs: bool = False) -> tuple:
+        return (R, T, ctx_len, self.attention, self._layout_key(), prompt_logprobs)
 
     def _launch_prefill(self, batch: ScheduledBatch) -> steps.StepOutput:
         R, T = self._prefill_shape(batch)
@@ -466,8 +487,9 @@ class ModelRunner:
         res = self._reservations(batch, self._prefill_res_capacity(R))
         step, args, static = self._prefill_program(inp, res, ctx_len)
         # A program the warm-up compiled runs as that executable (see `_call_decode` for why
-        # not through jit); any other compiles on its first launch.
-        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len))
+        # not through jit); any other compiles on its first launch, as does the variant that
+        # returns prompt logprobs (never warmed up: offline scoring, not serving latency).
+        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, inp.targets is not None))
         self.state, out = compiled(*args) if compiled is not None else step(*args, **static)
         return out
 
@@ -483,7 +505,8 @@ class ModelRunner:
                 req = row.req
                 tokens[i, : row.length] = req.fill_ids[row.start : row.start + row.length]
                 starts[i], lens[i], entries[i] = row.start, row.length, req.entry
-            return steps.PrefillInputs(tokens, starts, lens, entries, *_sampling_arrays(rows, R))
+            return steps.PrefillInputs(tokens, starts, lens, entries, *_sampling_arrays(rows, R),
+                                       targets=_prompt_targets(rows, R, T))
         from jaxoverlap.speculative.step import SpecPrefillInputs
 
         is_last = np.zeros((R,), bool)

@@ -19,6 +19,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # The logprob of every prompt token after the first under the model, and whether it was
+    # the model's top choice there: loglikelihood scoring (multiple-choice evaluations).
+    # The prompt is then prefilled whole, never from the prefix cache.
+    prompt_logprobs: bool = False
     # False: the engine makes no text for this request (outputs carry token ids and an empty
     # new_text). For callers that decode elsewhere, e.g. the gRPC server's handlers, which
     # keep that work off the engine's thread (outputs.OutputText), or that need ids only.

@@ -203,7 +203,9 @@ class Scheduler:
 
     def _admit(self, req: Request, reservations: list, headroom: int) -> bool:
         ps = self.cfg.page_size
-        path = self.prefix.match(req.fill_ids[:-1])  # at least one token must be computed
+        # At least one token must be computed; a request that wants its prompt's logprobs
+        # computes them all.
+        path = [] if req.params.prompt_logprobs else self.prefix.match(req.fill_ids[:-1])
         self.prefix.lock(path)
         need = self._reserved_target(len(req.fill_ids)) - len(path)
         short = need + headroom - self.pages.num_free
@@ -355,7 +357,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- results ------------------------------------------------------------------------------
-    def process(self, batch: ScheduledBatch, tokens, logprobs, accept_lens=None) -> list[Request]:
+    def process(self, batch: ScheduledBatch, tokens, logprobs, accept_lens=None, prompt_logprobs=None) -> list[Request]:
         """Bookkeeping for a step whose small outputs have reached the host.
 
         Plain steps: tokens, logprobs have one value per row (padded rows are ignored).
@@ -364,7 +366,13 @@ class Scheduler:
         condition met mid-window ends the request there; the rest of its window is
         dropped. Rows of requests that finished or were retracted after the launch are
         dropped: that is the one extra step a late-detected finish costs.
+
+        Prefill steps in which a row asked for its prompt's logprobs also hand over
+        `prompt_logprobs`: ([R, Q] logprobs, [R, Q] argmax flags) of the token after each
+        position of each row's chunk.
         """
+        if prompt_logprobs is not None:
+            self._record_prompt_logprobs(batch, *prompt_logprobs)
         now = time.perf_counter()
         updated: list[Request] = []
         # Python ints and floats, converted once per array rather than once per element.
@@ -406,6 +414,19 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
         return updated
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, logprobs, top1) -> None:
+        for i, row in enumerate(batch.rows):
+            req = row.req
+            if req.prompt_logprobs is None or row.epoch != req.epoch or req.status not in (Status.PREFILL,
+                                                                                         Status.RUNNING):
+                continue
+            # Position p's result scores the token at p + 1; past the prompt (the sampled
+            # token, or output re-prefilled after a retraction) there is nothing to record.
+            n = max(0, min(row.length, len(req.prompt_ids) - 1 - row.start))
+            first = row.start + 1
+            req.prompt_logprobs[first : first + n] = np.asarray(logprobs[i, :n], np.float64).tolist()
+            req.prompt_top1[first : first + n] = np.asarray(top1[i, :n], bool).tolist()
 
     def _process_plain(self, rows: list[BatchRow], tokens: list, logprobs: list) -> list[Request]:
         """`process` for a plain decode step: one token per row. The same bookkeeping as

@@ -214,6 +214,48 @@ def decode_step(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class PromptLogprobOutput(StepOutput):
+    """A prefill's results when some row asked for its prompt's logprobs: the sampled token
+    and its logprob as in StepOutput, then for each of the chunk's Q positions the logprob
+    of the prompt token that follows it, then whether that token was the argmax there."""
+
+    packed: jax.Array  # [R, 2 + 2Q] int32
+
+    @classmethod
+    def of(cls, tokens, logprobs, target_logprobs, target_is_top1) -> "PromptLogprobOutput":
+        return cls(pack_for_host(tokens, logprobs, target_logprobs, target_is_top1.astype(jnp.int32)))
+
+    @staticmethod
+    def prompt_part(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([R, Q] float32 logprobs, [R, Q] bool argmax flags) from the host copy of `packed`."""
+        Q = (packed.shape[1] - 2) // 2
+        return float_bits(np.ascontiguousarray(packed[:, 2 : 2 + Q])), packed[:, 2 + Q :].astype(bool)
+
+
+def token_logprobs(params: ModelParams, hidden: jax.Array, targets: jax.Array, block: int = 256):
+    """The logprob of `targets` [R, Q] under the logits of `hidden` [R, Q, D], and whether
+    each target is the argmax there. The [R*Q, V] float32 logits of a long chunk would be
+    large (2048 positions x 152k vocabulary: 1.2 GB), so they are made `block` positions at
+    a time."""
+    R, Q, D = hidden.shape
+    n = R * Q
+    blocks = -(-n // block)
+    pad = blocks * block - n
+    h = jnp.pad(hidden.reshape(n, D), ((0, pad), (0, 0))).reshape(blocks, block, D)  # [R, Q, D] -> [nb, block, D]
+    t = jnp.pad(targets.reshape(n), (0, pad)).reshape(blocks, block)  # [R, Q] -> [nb, block]
+
+    def one_block(args):
+        hb, tb = args
+        logits = lm_logits(params, hb)  # [block, V] float32
+        picked = jnp.take_along_axis(logits, tb[:, None], axis=1)[:, 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1), picked >= jnp.max(logits, axis=-1)
+
+    lp, top1 = jax.lax.map(one_block, (h, t))
+    return lp.reshape(-1)[:n].reshape(R, Q), top1.reshape(-1)[:n].reshape(R, Q)  # [nb, block] -> [R, Q]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class PrefillInputs:
     tokens: jax.Array  # [R, Q] int32 prompt tokens of this chunk (padded with 0)
     starts: jax.Array  # [R] int32 position of the chunk's first token
@@ -224,6 +266,9 @@ class PrefillInputs:
     top_p: jax.Array  # [R] float32
     min_p: jax.Array  # [R] float32
     seed: jax.Array  # [R] uint32
+    # Only for prefills with prompt_logprobs: [R, Q] int32, the prompt token after each of
+    # the chunk's positions (the next chunk's first token after the last), 0 where none.
+    targets: jax.Array | None = None
 
 
 @functools.partial(
@@ -275,4 +320,6 @@ def prefill_step(
         temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p, seed=inp.seed,
     )
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
+    if inp.targets is not None:  # a row asked for its prompt's logprobs (a program of its own)
+        return state, PromptLogprobOutput.of(next_tokens, logprobs, *token_logprobs(params, hidden, inp.targets))
     return state, StepOutput.of(next_tokens, logprobs)

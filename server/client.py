@@ -26,7 +26,7 @@ from jaxoverlap.server import jaxoverlap_pb2 as pb
 from jaxoverlap.server import jaxoverlap_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "logprobs")
+                   "ignore_eos", "logprobs", "prompt_logprobs")
 
 
 @dataclasses.dataclass
@@ -46,6 +46,9 @@ class Completion:
     cached_tokens: int
     accept_length: float
     time_to_first_token: float
+    # prompt_logprobs: for prompt tokens 1 .. n-1, the logprob and whether it was the argmax
+    prompt_logprobs: list[float] | None = None
+    prompt_top1: list[bool] | None = None
 
 
 @dataclasses.dataclass
@@ -60,6 +63,8 @@ class GenerateResult:
     accept_length: float
     time_to_first_token: float
     logprobs: list[float] | None = None
+    prompt_logprobs: list[float] | None = None  # for prompt tokens 1 .. n-1
+    prompt_top1: list[bool] | None = None
 
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -107,14 +112,15 @@ def parse_response(resp: pb.GenerateResponse) -> Chunk | Completion:
         return Chunk(list(c.token_ids), c.text, list(c.logprobs) or None)
     c = resp.complete
     return Completion(c.request_id, c.finish_reason, list(c.token_ids), c.usage.prompt_tokens,
-                      c.usage.completion_tokens, c.usage.cached_tokens, c.accept_length, c.time_to_first_token)
+                      c.usage.completion_tokens, c.usage.cached_tokens, c.accept_length, c.time_to_first_token,
+                      list(c.prompt_logprobs) or None, list(c.prompt_top1) or None)
 
 
 def _result(chunks: list[Chunk], done: Completion) -> GenerateResult:
     logprobs = [lp for c in chunks for lp in (c.logprobs or ())]
     return GenerateResult(done.request_id, "".join(c.text for c in chunks), done.token_ids, done.finish_reason,
                           done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.accept_length,
-                          done.time_to_first_token, logprobs or None)
+                          done.time_to_first_token, logprobs or None, done.prompt_logprobs, done.prompt_top1)
 
 
 def _model_info(r: pb.GetModelInfoResponse) -> dict:

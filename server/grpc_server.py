@@ -41,7 +41,8 @@ MAX_REQUEST_ID_LEN = 256
 INLINE_TOKENIZE_MAX_CHARS = 2048
 
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
-_SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs")
+_SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
+                     "prompt_logprobs")
 
 
 # ---- request decoding ---------------------------------------------------------------------------
@@ -423,6 +424,8 @@ class GenerationServicer:
             accept_length=float(m.accept_length),
             time_to_first_token=float(ttft) if ttft is not None else 0.0,
             request_id=rid,
+            prompt_logprobs=(final.prompt_logprobs or [None])[1:],
+            prompt_top1=(final.prompt_top1 or [None])[1:],
         )
 
     def _record_finish(self, final, latency: float) -> None:

@@ -128,6 +128,22 @@ def test_generate_token_ids(env):
     assert seeded[0] == seeded[1]
 
 
+def test_prompt_logprobs(env):
+    """Loglikelihood scoring through the server (and, in the process variant, across the
+    engine process's pipe): one logprob and argmax flag per prompt token after the first,
+    the whole prompt computed even when the prefix cache holds it."""
+    client, vocab = env["client"], env["info"]["vocab_size"]
+    prompt = _ids(40, vocab, 2)
+    plain = client.generate_text(prompt, max_new_tokens=2, temperature=0.0)
+    assert plain.prompt_logprobs is None
+    scored = [client.generate_text(prompt, max_new_tokens=2, temperature=0.0, prompt_logprobs=True) for _ in range(2)]
+    for r in scored:
+        assert r.cached_tokens == 0 and len(r.prompt_logprobs) == len(r.prompt_top1) == 39
+        assert all(lp <= 0 for lp in r.prompt_logprobs)
+    assert scored[0].prompt_logprobs == scored[1].prompt_logprobs and scored[0].token_ids == plain.token_ids
+    _wait_idle(env)
+
+
 def test_model_and_server_info(env):
     client = env["client"]
     m = env["info"]

@@ -1,0 +1,82 @@
+"""SamplingParams(prompt_logprobs=True): the logprob of every prompt token given the ones
+before it, and whether it was the argmax, as a dense forward gives them, whether the prompt
+is prefilled in one chunk or several, batched with other requests, with overlap on or off,
+and never read from the prefix cache."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_fixtures import VOCAB, assert_drained, make_engine, run_workload, tiny_config, tiny_params
+from jaxoverlap.errors import InvalidRequestError
+from jaxoverlap.models.transformer import dense_logits
+from jaxoverlap.sampling_params import SamplingParams
+
+SCORE = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
+
+
+def reference(prompt):
+    cfg = tiny_config()
+    logits = dense_logits(tiny_params(cfg), cfg, jnp.asarray(prompt, jnp.int32))  # [T, V]
+    logsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    ids = np.asarray(prompt)
+    lp = [None] + logsm[np.arange(len(prompt) - 1), ids[1:]].tolist()
+    top1 = [None] + (np.asarray(logits).argmax(-1)[:-1] == ids[1:]).tolist()
+    return lp, top1
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prompt_logprobs_match_a_dense_forward(overlap):
+    rng = np.random.default_rng(3)
+    prompts = {f"p{i}": [int(t) for t in rng.integers(0, VOCAB, size=n)] for i, n in enumerate((5, 40, 71))}
+    # Every prompt's own greedy continuation, so that some prompt tokens are the argmax.
+    eng = make_engine(disable_overlap=not overlap, chunked_prefill_size=32, max_context_len=128)
+    greedy = run_workload(eng, {0: [("g", prompts["p1"][:20], SamplingParams(max_new_tokens=20, temperature=0.0,
+                                                                          ignore_eos=True))]})
+    prompts["cont"] = prompts["p1"][:20] + greedy["g"].token_ids
+    # A plain request in the same batches, and one with the same prompt as a scored one
+    # first, so that the prefix cache holds pages the scored one must not read.
+    arrivals = {0: [("plain", prompts["p2"], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)),
+                    ("p0", prompts["p0"], SCORE), ("p1", prompts["p1"], SCORE)],
+                3: [("p2", prompts["p2"], SCORE), ("cont", prompts["cont"], SCORE)]}
+    finals = run_workload(eng, arrivals)
+    for rid in ("p0", "p1", "p2", "cont"):
+        want_lp, want_top1 = reference(prompts[rid])
+        got = finals[rid]
+        assert got.metrics.cached_prompt_tokens == 0
+        assert got.prompt_top1 == want_top1, rid
+        assert got.prompt_logprobs[0] is None
+        np.testing.assert_allclose(got.prompt_logprobs[1:], want_lp[1:], rtol=1e-4, atol=1e-4)
+    assert all(finals["cont"].prompt_top1[21:])  # the greedy continuation is the argmax throughout
+    assert finals["plain"].prompt_logprobs is None
+    assert finals["p2"].token_ids == finals["plain"].token_ids[:2]
+    assert_drained(eng)
+
+
+def test_llm_and_batch_surface_prompt_logprobs(tmp_path):
+    import json
+
+    from jaxoverlap import LLM
+    from jaxoverlap.batch import run_batch
+
+    llm = LLM(None, max_running_requests=2, max_context_len=64, kv_cache_tokens=512, page_size=8)
+    [res] = llm.generate(["Once upon a time there was"], SCORE)
+    n = len(res.prompt_token_ids)
+    assert len(res.prompt_logprobs) == len(res.prompt_top1) == n and res.prompt_logprobs[0] is None
+    assert all(lp <= 0 for lp in res.prompt_logprobs[1:])
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": 1, "prompt": "Once upon a time there was",
+                               "sampling_params": {"prompt_logprobs": True, "max_new_tokens": 2}}) + "\n")
+    run_batch(llm, str(inp), str(tmp_path / "out.jsonl"), progress=False)
+    [record] = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
+    assert record["prompt_logprobs"] == res.prompt_logprobs and record["prompt_top1"] == res.prompt_top1
+    llm.close()
+
+
+def test_speculative_engines_refuse_prompt_logprobs():
+    eng = make_engine(speculative_algorithm="ngram_device", max_running_requests=4, batch_buckets=(4,))
+    with pytest.raises(InvalidRequestError, match="speculative"):
+        eng.add_request("x", [1, 2, 3], SCORE)
+    assert not eng.has_work()
