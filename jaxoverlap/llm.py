@@ -114,6 +114,33 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def loglikelihood(self, requests, *, use_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """For (context, continuation) pairs, as evaluation harnesses score multiple-choice
+        answers: the log-probability of the continuation given the context, and whether
+        greedy decoding would have produced it (every continuation token the argmax). Each
+        part is text or token ids; text continuations are encoded without special tokens and
+        appended to the context's ids. Uses SamplingParams(prompt_logprobs=True)."""
+        prompts, starts = [], []
+        for context, continuation in requests:
+            ctx = self._ids_of(context, special=True)
+            cont = self._ids_of(continuation, special=False)
+            if not ctx or not cont:
+                raise InvalidRequestError("loglikelihood needs a non-empty context and continuation")
+            prompts.append(ctx + cont)
+            starts.append(len(ctx))
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=True,
+                                detokenize=False)
+        results = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [(float(sum(r.prompt_logprobs[start:])), all(r.prompt_top1[start:]))
+                for r, start in zip(results, starts)]
+
+    def _ids_of(self, part, *, special: bool) -> list[int]:
+        if isinstance(part, str):
+            if self.engine.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            return self.engine.tokenizer.encode(part, add_special_tokens=special)
+        return [int(t) for t in part]
+
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[GenerationResult]:
         """Run prompts to completion; one GenerationResult per prompt, in order."""
         results = {}

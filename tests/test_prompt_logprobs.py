@@ -80,3 +80,22 @@ def test_speculative_engines_refuse_prompt_logprobs():
     with pytest.raises(InvalidRequestError, match="speculative"):
         eng.add_request("x", [1, 2, 3], SCORE)
     assert not eng.has_work()
+
+
+def test_loglikelihood_of_continuations():
+    """LLM.loglikelihood: the sum of the continuation's prompt logprobs and whether greedy
+    decoding gives it, for text and token-id pairs."""
+    from jaxoverlap import LLM
+
+    llm = LLM(None, max_running_requests=4, max_context_len=64, kv_cache_tokens=512, page_size=8)
+    context = llm.tokenizer.encode("Once upon a time")
+    [greedy] = llm.generate([context], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    other = [(t + 1) % llm.engine.model_config.vocab_size for t in greedy.token_ids]
+    scores = llm.loglikelihood([(context, greedy.token_ids), (context, other), ("Once upon a time", " there")])
+    [full] = llm.generate([context + greedy.token_ids], SCORE)
+    assert scores[0] == (pytest.approx(sum(full.prompt_logprobs[len(context):]), abs=1e-6), True)
+    assert scores[1][0] < scores[0][0] and scores[1][1] is False
+    assert scores[2][0] < 0
+    with pytest.raises(InvalidRequestError, match="non-empty"):
+        llm.loglikelihood([("context", "")])
+    llm.close()
