@@ -489,7 +489,8 @@ class ModelRunner:
         # A program the warm-up compiled runs as that executable (see `_call_decode` for why
         # not through jit); any other compiles on its first launch, as does the variant that
         # returns prompt logprobs (never warmed up: offline scoring, not serving latency).
-        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, inp.targets is not None))
+        scoring = getattr(inp, "targets", None) is not None  # SpecPrefillInputs has none: drafters refuse it
+        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring))
         self.state, out = compiled(*args) if compiled is not None else step(*args, **static)
         return out
 

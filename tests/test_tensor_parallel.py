@@ -58,6 +58,9 @@ def test_tp_greedy_matches_single_device():
         assert got["tokens"] == out["None-1"]["tokens"], f"Pallas {algo} TP=2 differs from TP=1"
     assert out["pallas-None-2"]["fused_decode_traced"] > 0, "plain decoding under TP=2 did not use the fused kernel"
     assert out["fallback_attention_error"] < 1e-4, "replicated Pallas attention (KVH < TP) is wrong"
+    one, two = out["prompt-logprobs-1"], out["prompt-logprobs-2"]
+    assert len(one["logprobs"]) == 36 and one["top1"] == two["top1"]
+    np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-4)
     for backend in ("xla", "pallas"):
         hlo = out[f"hlo-{backend}"]
         # One all-reduce after wo and one after w_down per layer, and nothing else: the
