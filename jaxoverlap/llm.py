@@ -120,7 +120,7 @@ class LLM:
         greedy decoding would have produced it (every continuation token the argmax). Each
         part is text or token ids; text continuations are encoded without special tokens and
         appended to the context's ids. Uses SamplingParams(prompt_logprobs=True)."""
-        prompts, starts = [], []
+        prompts, starts, params = [], [], []
         for context, continuation in requests:
             ctx = self._ids_of(context, special=True)
             cont = self._ids_of(continuation, special=False)
@@ -128,8 +128,10 @@ class LLM:
                 raise InvalidRequestError("loglikelihood needs a non-empty context and continuation")
             prompts.append(ctx + cont)
             starts.append(len(ctx))
-        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=True,
-                                detokenize=False)
+            # Scored from the continuation on: the context's pages may come from the prefix
+            # cache, so the choices of one question prefill their shared context once.
+            params.append(SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=True,
+                                         prompt_logprobs_start=len(ctx), detokenize=False))
         results = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [(float(sum(r.prompt_logprobs[start:])), all(r.prompt_top1[start:]))
                 for r, start in zip(results, starts)]

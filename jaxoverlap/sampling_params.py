@@ -19,10 +19,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
-    # The logprob of every prompt token after the first under the model, and whether it was
-    # the model's top choice there: loglikelihood scoring (multiple-choice evaluations).
-    # The prompt is then prefilled whole, never from the prefix cache.
+    # The logprob of each prompt token under the model, and whether it was the model's top
+    # choice there: loglikelihood scoring (multiple-choice evaluations). From prompt
+    # position `prompt_logprobs_start` on (earlier positions stay None; position 0 has no
+    # context); the prefix cache may serve the pages before it, so that the choices of one
+    # question prefill their shared context once.
     prompt_logprobs: bool = False
+    prompt_logprobs_start: int = 1
     # False: the engine makes no text for this request (outputs carry token ids and an empty
     # new_text). For callers that decode elsewhere, e.g. the gRPC server's handlers, which
     # keep that work off the engine's thread (outputs.OutputText), or that need ids only.
@@ -64,6 +67,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t < 0:
                 bad(f"stop_token_ids must be >= 0, got {t}")
+        if (not isinstance(self.prompt_logprobs_start, int) or isinstance(self.prompt_logprobs_start, bool)
+                or self.prompt_logprobs_start < 1):
+            bad(f"prompt_logprobs_start must be an integer >= 1, got {self.prompt_logprobs_start!r}")
         if self.stop and not self.detokenize:
             bad("stop strings need the engine's text: detokenize must be True")
 

@@ -204,8 +204,11 @@ class Scheduler:
     def _admit(self, req: Request, reservations: list, headroom: int) -> bool:
         ps = self.cfg.page_size
         # At least one token must be computed; a request that wants its prompt's logprobs
-        # computes them all.
-        path = [] if req.params.prompt_logprobs else self.prefix.match(req.fill_ids[:-1])
+        # from position k on computes every position from k - 1 on (its state scores k).
+        limit = len(req.fill_ids) - 1
+        if req.params.prompt_logprobs:
+            limit = min(limit, req.params.prompt_logprobs_start - 1)
+        path = self.prefix.match(req.fill_ids[:limit])
         self.prefix.lock(path)
         need = self._reserved_target(len(req.fill_ids)) - len(path)
         short = need + headroom - self.pages.num_free
@@ -421,12 +424,16 @@ class Scheduler:
             if req.prompt_logprobs is None or row.epoch != req.epoch or req.status not in (Status.PREFILL,
                                                                                          Status.RUNNING):
                 continue
-            # Position p's result scores the token at p + 1; past the prompt (the sampled
-            # token, or output re-prefilled after a retraction) there is nothing to record.
-            n = max(0, min(row.length, len(req.prompt_ids) - 1 - row.start))
-            first = row.start + 1
-            req.prompt_logprobs[first : first + n] = np.asarray(logprobs[i, :n], np.float64).tolist()
-            req.prompt_top1[first : first + n] = np.asarray(top1[i, :n], bool).tolist()
+            # Column j scores the token at row.start + j + 1. Nothing is recorded before
+            # prompt_logprobs_start, nor past the prompt (the sampled token, or output
+            # re-prefilled after a retraction).
+            skip = max(0, req.params.prompt_logprobs_start - 1 - row.start)
+            end = min(row.length, len(req.prompt_ids) - 1 - row.start)
+            if end <= skip:
+                continue
+            first = row.start + 1 + skip
+            req.prompt_logprobs[first : first + end - skip] = np.asarray(logprobs[i, skip:end], np.float64).tolist()
+            req.prompt_top1[first : first + end - skip] = np.asarray(top1[i, skip:end], bool).tolist()
 
     def _process_plain(self, rows: list[BatchRow], tokens: list, logprobs: list) -> list[Request]:
         """`process` for a plain decode step: one token per row. The same bookkeeping as

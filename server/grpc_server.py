@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 
@@ -42,7 +43,7 @@ INLINE_TOKENIZE_MAX_CHARS = 2048
 
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 _SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
-                     "prompt_logprobs")
+                     "prompt_logprobs", "prompt_logprobs_start")
 
 
 # ---- request decoding ---------------------------------------------------------------------------
@@ -424,8 +425,9 @@ class GenerationServicer:
             accept_length=float(m.accept_length),
             time_to_first_token=float(ttft) if ttft is not None else 0.0,
             request_id=rid,
-            prompt_logprobs=(final.prompt_logprobs or [None])[1:],
-            prompt_top1=(final.prompt_top1 or [None])[1:],
+            # Positions not scored (before prompt_logprobs_start) go as NaN / false.
+            prompt_logprobs=[math.nan if lp is None else lp for lp in (final.prompt_logprobs or [None])[1:]],
+            prompt_top1=[bool(t) for t in (final.prompt_top1 or [None])[1:]],
         )
 
     def _record_finish(self, final, latency: float) -> None:

@@ -99,3 +99,29 @@ def test_loglikelihood_of_continuations():
     with pytest.raises(InvalidRequestError, match="non-empty"):
         llm.loglikelihood([("context", "")])
     llm.close()
+
+
+def test_scoring_from_a_position_shares_the_context():
+    """prompt_logprobs_start = k: positions from k on are scored exactly as with a whole
+    prefill, earlier ones are None, and the pages before k - 1 may come from the prefix
+    cache, so the choices of one question submitted together prefill their context once."""
+    rng = np.random.default_rng(11)
+    context = [int(t) for t in rng.integers(0, VOCAB, size=32)]
+    choices = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (3, 5, 4)]
+    eng = make_engine(chunked_prefill_size=64)
+    arrivals = {0: [(f"c{i}", context + c, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True,
+                                                           prompt_logprobs=True, prompt_logprobs_start=32))
+                    for i, c in enumerate(choices)]}
+    finals = run_workload(eng, arrivals)
+    # Pages of 4: position 31's state scores position 32, so it is computed, and the cache
+    # serves the 7 pages before its page (a page-aligned context: the edge case).
+    assert [finals[f"c{i}"].metrics.cached_prompt_tokens for i in range(3)] == [0, 28, 28]
+    for i, c in enumerate(choices):
+        want_lp, want_top1 = reference(context + c)
+        got = finals[f"c{i}"]
+        assert got.prompt_logprobs[:32] == [None] * 32 and got.prompt_top1[:32] == [None] * 32
+        assert got.prompt_top1[32:] == want_top1[32:]
+        np.testing.assert_allclose(got.prompt_logprobs[32:], want_lp[32:], rtol=1e-4, atol=1e-4)
+    assert_drained(eng)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs_start"):
+        SamplingParams(prompt_logprobs=True, prompt_logprobs_start=0)

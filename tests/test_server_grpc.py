@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import operator
 import os
 import random
@@ -141,6 +142,11 @@ def test_prompt_logprobs(env):
         assert r.cached_tokens == 0 and len(r.prompt_logprobs) == len(r.prompt_top1) == 39
         assert all(lp <= 0 for lp in r.prompt_logprobs)
     assert scored[0].prompt_logprobs == scored[1].prompt_logprobs and scored[0].token_ids == plain.token_ids
+    # Scored from position 20 on: the prefix cache serves the pages before position 19.
+    tail = client.generate_text(prompt, max_new_tokens=1, temperature=0.0, prompt_logprobs=True,
+                                prompt_logprobs_start=20)
+    assert tail.cached_tokens > 0 and all(math.isnan(lp) for lp in tail.prompt_logprobs[:19])
+    assert tail.prompt_logprobs[19:] == pytest.approx(scored[0].prompt_logprobs[19:], abs=1e-2)
     _wait_idle(env)
 
 
