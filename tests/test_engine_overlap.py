@@ -217,7 +217,11 @@ def test_samples_of_one_prompt_share_its_prefill_and_match_the_dense_reference()
         alone = run_workload(make_engine(disable_prefix_cache=True), {0: [("x", prompt, p)]})["x"]
         assert finals[f"s{i}"].token_ids == alone.token_ids
     assert len({tuple(finals[f"s{i}"].token_ids) for i in range(3)}) > 1  # the seeds differ
+    # Causal: one padded length (one compilation) serves every prefix.
+    greedy_step = jax.jit(lambda ids, n: jnp.argmax(dense_logits(params, cfg, ids)[n - 1]))
     seq = list(prompt)
     for _ in range(12):
-        seq.append(int(jnp.argmax(dense_logits(params, cfg, jnp.asarray(seq, jnp.int32))[-1])))
+        padded = np.zeros((48,), np.int32)
+        padded[: len(seq)] = seq
+        seq.append(int(greedy_step(padded, len(seq))))
     assert finals["g"].token_ids == seq[len(prompt):]
