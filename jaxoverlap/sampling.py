@@ -39,10 +39,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampli
     `sampling` is static: the host knows whether any row of a decode batch samples, and
     passes False for all-greedy batches so the program skips the sort over the vocabulary
     (prefill programs always pass True: runner._prefill_program). Greedy rows get the same
-    argmax either way. (A
-    `lax.cond` on the device would do the same, but on GPU XLA reads a conditional's
-    predicate back to the host, which blocks the dispatch of the step until the device has
-    caught up: exactly the wait the overlap loop exists to avoid.)
+    argmax either way. (A `lax.cond` on the device would do the same, but on GPU XLA reads
+    a conditional's predicate back to the host, which blocks the dispatch of the step until
+    the device has caught up: exactly the wait the overlap loop exists to avoid.)
 
     Returns (tokens [B] int32, logprobs [B] float32 of the chosen tokens under the raw model
     distribution).

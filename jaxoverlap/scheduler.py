@@ -421,8 +421,8 @@ class Scheduler:
     def _record_prompt_logprobs(self, batch: ScheduledBatch, logprobs, top1) -> None:
         for i, row in enumerate(batch.rows):
             req = row.req
-            if req.prompt_logprobs is None or row.epoch != req.epoch or req.status not in (Status.PREFILL,
-                                                                                         Status.RUNNING):
+            live = row.epoch == req.epoch and req.status in (Status.PREFILL, Status.RUNNING)
+            if req.prompt_logprobs is None or not live:  # not scoring, or finished / retracted since
                 continue
             # Column j scores the token at row.start + j + 1. Nothing is recorded before
             # prompt_logprobs_start, nor past the prompt (the sampled token, or output
