@@ -8,7 +8,10 @@ move. This times back-to-back prefill steps of Qwen3-8B shapes (dummy weights) f
 (rows, tokens) shapes at both context lengths, in one process, and reports each one's
 compile time. It also times the table-width program greedy (static sampling=False): the
 engine's prefill programs always sample, and the ratio is what the sort over the
-vocabulary costs a prefill. Prints a table, writes JSON.
+vocabulary costs a prefill. And it times the table-width program that also returns each
+prompt token's logprob (`SamplingParams.prompt_logprobs`: the variant with
+`PrefillInputs.targets`), for what scoring a prompt costs over prefilling it. Prints a
+table, writes JSON.
 
     python benchmarks/prefill_ctx_bench.py --out prefill_ctx.json
     python benchmarks/prefill_ctx_bench.py --tiny          # CPU smoke run
@@ -16,6 +19,7 @@ vocabulary costs a prefill. Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -68,9 +72,11 @@ def main():
         row = {"rows": R, "tokens": T}
         # The engine's prefill programs always sample (runner._prefill_program); "greedy" is
         # the table-width program without the sort over the vocabulary, for its cost.
-        for name, ctx, sampling in (("bucket", pick(r.ctx_buckets, T), True), ("table", r.table_width, True),
-                                    ("greedy", r.table_width, False)):
-            step, a, static = r._prefill_program(inp, res, ctx)
+        scored = dataclasses.replace(inp, targets=rng.integers(0, engine.model_config.vocab_size, (R, T)).astype(np.int32))
+        variants = (("bucket", inp, pick(r.ctx_buckets, T), True), ("table", inp, r.table_width, True),
+                    ("greedy", inp, r.table_width, False), ("logprobs", scored, r.table_width, True))
+        for name, vinp, ctx, sampling in variants:
+            step, a, static = r._prefill_program(vinp, res, ctx)
             static = dict(static, sampling=sampling)
             t = time.perf_counter()
             r.state, out = step(*a, **static)
@@ -80,13 +86,14 @@ def main():
             times = []
             for _ in range(args.iters):
                 t = time.perf_counter()
-                _, a, _ = r._prefill_program(inp, res, ctx)
+                _, a, _ = r._prefill_program(vinp, res, ctx)
                 r.state, out = step(*a, **static)
                 jax.block_until_ready(out.packed)
                 times.append(time.perf_counter() - t)
             row[f"{name}_ms"] = float(np.median(times)) * 1e3
         row["table_over_bucket"] = row["table_ms"] / row["bucket_ms"]
         row["sampling_over_greedy"] = row["table_ms"] / row["greedy_ms"]
+        row["logprobs_over_table"] = row["logprobs_ms"] / row["table_ms"]
         rows.append(row)
         print_table([row], list(row))
     print_table(rows, list(rows[0]))
