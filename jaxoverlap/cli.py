@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or only when it changed")
     g.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="leave Python's garbage collector alone (default: gc.freeze() once the engine is built)")
+    g.add_argument("--disable-penalties", dest="enable_penalties", action="store_false",
+                   help="refuse repetition/frequency/presence penalties and keep no per-request token history "
+                        "on the device ([max running + 1, vocab] int32)")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding (SGLang's flag names)")
     s.add_argument("--speculative-algorithm", default=None, choices=["eagle", "draft_model", "ngram", "ngram_device"])
@@ -80,6 +83,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", action="store_true")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits (multiply negative ones) of tokens in the prompt or output (1 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times the count of each token generated so far (-2..2)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from each token generated so far (-2..2)")
     g.add_argument("--prompt-logprobs", action="store_true",
                    help="each prompt token's logprob given the ones before it (loglikelihood scoring)")
 
@@ -91,6 +100,8 @@ def sampling_params(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, seed=args.sampling_seed, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
     )
 
 

@@ -11,11 +11,13 @@
 | relay.last_token | [E] | draft model: prefill and each step | the next step's first draft pass |
 | draft_k_cache, draft_v_cache | [Ld, S, KVHd, HDd] | the drafter (EAGLE head or draft model) | the drafter |
 | slot_tokens | [S] | ngram_device: prefill and each step | the next step's n-gram lookup |
+| penalty.history, penalty.params | [E, V], [E, 3] | sampling programs (penalties.py) | sampling programs |
 
 The speculative relay fields exist in every engine (zero-width when unused) so the relay
 has one layout; the drafter's caches and `slot_tokens` are None without a drafter that
-needs them. The drafter's caches use the target's slot numbers (`req_to_token`), so one
-page reservation covers both models.
+needs them, and `penalty` is None where the engine serves no penalties (with a drafter, or
+with EngineConfig.enable_penalties off). The drafter's caches use the target's slot numbers
+(`req_to_token`), so one page reservation covers both models.
 
 E = max_running_requests + 1: entry 0 belongs to no request, so padded rows read and write
 it harmlessly. S = num_pages * page_size slots; page 0 is the dummy page that entry 0 and
@@ -27,6 +29,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from jaxoverlap.penalties import PenaltyState, init_penalty_state
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +60,8 @@ class DeviceState:
     # [S] int32 the token whose K/V each slot holds (ngram_device). Kept per slot, not per
     # entry, so a cached prefix brings its tokens along with its pages.
     slot_tokens: jax.Array | None = None
+    # Repetition / frequency / presence penalties: per entry, the tokens seen and generated.
+    penalty: PenaltyState | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +77,9 @@ class DrafterLayout:
 
 def init_device_state(
     *, num_layers, num_slots, num_kv_heads, head_dim, dtype, num_entries, table_width,
-    drafter: DrafterLayout = DrafterLayout(),
+    drafter: DrafterLayout = DrafterLayout(), penalty_vocab_size: int = 0,
 ) -> DeviceState:
+    """penalty_vocab_size: the vocabulary of the penalties' history rows; 0 for none."""
     E = num_entries
     cache_shape = (num_layers, num_slots, num_kv_heads, head_dim)
     relay = Relay(
@@ -98,6 +105,7 @@ def init_device_state(
         draft_k_cache=jnp.zeros(draft_cache, dtype) if draft_cache else None,
         draft_v_cache=jnp.zeros(draft_cache, dtype) if draft_cache else None,
         slot_tokens=jnp.zeros((num_slots,), jnp.int32) if drafter.slot_tokens else None,
+        penalty=init_penalty_state(E, penalty_vocab_size) if penalty_vocab_size else None,
     )
 
 

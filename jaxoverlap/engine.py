@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxoverlap import penalties
 from jaxoverlap.compile_watch import CompileWatch
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.device_state import init_device_state, kv_cache_bytes_per_token
@@ -235,6 +236,7 @@ class Engine:
         spec = self.drafter.spec if self.drafter is not None else None
 
         mc, ps = self.model_config, config.page_size
+        self.serves_penalties = config.enable_penalties and spec is None
         self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096)
         table_width = -(-self.max_context_len // ps) * ps
         kv_tokens = config.kv_cache_tokens or self._kv_tokens_from_memory(params, table_width)
@@ -244,6 +246,7 @@ class Engine:
             num_layers=mc.num_layers, num_slots=num_pages * ps, num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim, dtype=self.dtype, num_entries=config.max_running_requests + 1,
             table_width=table_width, **({"drafter": self.drafter.layout} if self.drafter else {}),
+            penalty_vocab_size=mc.vocab_size if self.serves_penalties else 0,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -326,6 +329,8 @@ class Engine:
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            if self.serves_penalties:
+                free -= penalties.state_bytes(self.config.max_running_requests + 1, mc.vocab_size)
             return max(table_width, int(free * self.config.kv_cache_memory_fraction) // per_token)
         # CPU: no memory statistics; enough for every running request at full context.
         return min(self.config.max_running_requests * table_width, 1 << 16)
@@ -360,6 +365,11 @@ class Engine:
         if params is not None and params.prompt_logprobs and self.config.speculative_algorithm:
             raise InvalidRequestError("prompt_logprobs is not available with speculative decoding: "
                                       "score prompts on an engine without a drafter")
+        if params is not None and params.has_penalties and not self.serves_penalties:
+            why = ("speculative decoding" if self.config.speculative_algorithm
+                   else "an engine started with enable_penalties=False")
+            raise InvalidRequestError("repetition_penalty, frequency_penalty and presence_penalty are not "
+                                      f"available with {why}")
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) >= self.max_context_len:
             raise PromptTooLongError(

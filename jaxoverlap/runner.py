@@ -23,6 +23,7 @@ from jaxoverlap.buckets import pick, powers_of_two_up_to
 from jaxoverlap.device_state import DeviceState
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, layers_per_stack
+from jaxoverlap.penalties import NEUTRAL, PrefillPenaltyInputs
 from jaxoverlap.scheduler import ScheduledBatch
 
 
@@ -49,10 +50,10 @@ class LaunchedStep:
 
 
 def batch_samples(batch: ScheduledBatch) -> bool:
-    """Whether any row of a decode batch samples (temperature > 0): a static flag of the
-    decode step, so all-greedy batches compile without the vocabulary sort (prefill programs
-    always sample, `_prefill_program`)."""
-    return any(row.req.params.temperature > 0 for row in batch.rows)
+    """Whether any row of a decode batch samples (temperature > 0) or has penalties: a static
+    flag of the decode step, so all-greedy batches compile without the vocabulary sort and
+    the penalties' history (prefill programs always sample, `_prefill_program`)."""
+    return any(row.req.params.temperature > 0 or row.req.params.has_penalties for row in batch.rows)
 
 
 def _sampling_arrays(rows, num_rows: int):
@@ -68,6 +69,17 @@ def _sampling_arrays(rows, num_rows: int):
         p = row.req.params
         temperature[i], top_k[i], top_p[i], min_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.min_p, row.req.seed
     return temperature, top_k, top_p, min_p, seed
+
+
+def _penalty_inputs(rows, R: int) -> PrefillPenaltyInputs:
+    """The rows' penalty params and prompt lengths, padded to R rows (penalties.py)."""
+    params = np.tile(np.asarray(NEUTRAL, np.float32), (R, 1))  # [3] -> [R, 3]
+    prompt_lens = np.zeros((R,), np.int32)
+    for i, row in enumerate(rows):
+        p = row.req.params
+        params[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+        prompt_lens[i] = len(row.req.prompt_ids)
+    return PrefillPenaltyInputs(params, prompt_lens)
 
 
 def _prompt_targets(rows, R: int, T: int) -> np.ndarray | None:
@@ -146,6 +158,7 @@ class ModelRunner:
         self.inputs = DeviceInputs()  # the engine sets its sharding under tensor parallelism
         self.model_cfg = model_cfg
         self.state = state
+        self.penalties = state.penalty is not None  # the engine serves penalties (penalties.py)
         self.page_size = page_size
         self.table_width = table_width
         self.attention = attention or steps.xla_paged_attention
@@ -507,7 +520,8 @@ class ModelRunner:
                 tokens[i, : row.length] = req.fill_ids[row.start : row.start + row.length]
                 starts[i], lens[i], entries[i] = row.start, row.length, req.entry
             return steps.PrefillInputs(tokens, starts, lens, entries, *_sampling_arrays(rows, R),
-                                       targets=_prompt_targets(rows, R, T))
+                                       targets=_prompt_targets(rows, R, T),
+                                       penalties=_penalty_inputs(rows, R) if self.penalties else None)
         from jaxoverlap.speculative.step import SpecPrefillInputs
 
         is_last = np.zeros((R,), bool)

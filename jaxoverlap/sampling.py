@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxoverlap.penalties import apply as apply_penalties
+
 
 def _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions):
     B, V = logits.shape
@@ -33,7 +35,7 @@ def _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampling: bool = True):
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampling: bool = True, penalties=None):
     """logits [B, V] float32; per-row params [B]; positions [B] of the token being sampled.
 
     `sampling` is static: the host knows whether any row of a decode batch samples, and
@@ -43,12 +45,16 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampli
     a conditional's predicate back to the host, which blocks the dispatch of the step until
     the device has caught up: exactly the wait the overlap loop exists to avoid.)
 
+    `penalties`: None, or the rows' (history [B, V], params [B, 3]) of `penalties.py`; the
+    token is chosen from the penalized logits, greedy rows too.
+
     Returns (tokens [B] int32, logprobs [B] float32 of the chosen tokens under the raw model
     distribution).
     """
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    chosen_from = logits if penalties is None else apply_penalties(logits, *penalties)
+    tokens = jnp.argmax(chosen_from, axis=-1).astype(jnp.int32)
     if sampling:
-        sampled = _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions)
+        sampled = _sample_filtered(chosen_from, temperature, top_k, top_p, min_p, seeds, positions)
         tokens = jnp.where(temperature > 0, sampled, tokens)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

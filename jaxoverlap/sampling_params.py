@@ -19,6 +19,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # Penalties on tokens the request has seen (repetition: prompt and output) or generated
+    # (frequency, presence), as in vLLM and SGLang; penalties.py. Such a request prefills
+    # its whole prompt (no prefix cache); speculative engines refuse them.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     # The logprob of each prompt token under the model, and whether it was the model's top
     # choice there: loglikelihood scoring (multiple-choice evaluations). From prompt
     # position `prompt_logprobs_start` on (earlier positions stay None; position 0 has no
@@ -45,6 +51,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self) -> None:
         def bad(msg: str):
             raise InvalidRequestError(f"invalid sampling params: {msg}")
@@ -61,6 +71,12 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
             bad(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2.0 <= value <= 2.0:
+                bad(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 bad(f"stop strings must be non-empty strings, got {s!r}")

@@ -204,10 +204,14 @@ class Scheduler:
     def _admit(self, req: Request, reservations: list, headroom: int) -> bool:
         ps = self.cfg.page_size
         # At least one token must be computed; a request that wants its prompt's logprobs
-        # from position k on computes every position from k - 1 on (its state scores k).
+        # from position k on computes every position from k - 1 on (its state scores k);
+        # one with penalties computes all, so that its prefill sees every token
+        # (penalties.py keeps their history on the device).
         limit = len(req.fill_ids) - 1
         if req.params.prompt_logprobs:
             limit = min(limit, req.params.prompt_logprobs_start - 1)
+        if req.params.has_penalties:
+            limit = 0
         path = self.prefix.match(req.fill_ids[:limit])
         self.prefix.lock(path)
         need = self._reserved_target(len(req.fill_ids)) - len(path)

@@ -19,6 +19,7 @@ from jaxoverlap.device_state import DeviceState, Relay
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
+from jaxoverlap.penalties import PrefillPenaltyInputs, record_generated, record_prefill
 from jaxoverlap.sampling import sample
 
 
@@ -203,12 +204,17 @@ def decode_step(
         attention=attention,
     )
     logits = lm_logits(params, hidden[:, 0])  # [B, V]
+    penalty, row_penalties = state.penalty, None
+    if sampling and penalty is not None:  # the host sends every batch with a penalized row here
+        penalty = record_generated(penalty, entries, tokens)
+        row_penalties = (penalty.history[entries], penalty.params[entries])
     next_tokens, logprobs = sample(
         logits, relay.temperature[entries], relay.top_k[entries], relay.top_p[entries],
-        relay.min_p[entries], relay.seed[entries], lens + 1, sampling=sampling,
+        relay.min_p[entries], relay.seed[entries], lens + 1, sampling=sampling, penalties=row_penalties,
     )
     relay = _write_relay(relay, entries, lens + 1, next_tokens)
-    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
+    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
+                                penalty=penalty)
     return state, StepOutput.of(next_tokens, logprobs)
 
 
@@ -269,6 +275,8 @@ class PrefillInputs:
     # Only for prefills with prompt_logprobs: [R, Q] int32, the prompt token after each of
     # the chunk's positions (the next chunk's first token after the last), 0 where none.
     targets: jax.Array | None = None
+    # Where the engine serves penalties (DeviceState.penalty): the rows' penalty params.
+    penalties: PrefillPenaltyInputs | None = None
 
 
 @functools.partial(
@@ -313,13 +321,18 @@ def prefill_step(
     last = jnp.maximum(inp.chunk_lens - 1, 0)
     last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [R, D]
     logits = lm_logits(params, last_hidden)
+    penalty, row_penalties = state.penalty, None
+    if penalty is not None:
+        penalty = record_prefill(penalty, inp.entries, inp.tokens, inp.starts, inp.chunk_lens, inp.penalties)
+        row_penalties = (penalty.history[inp.entries], penalty.params[inp.entries])
     next_tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed, kv_lens,
-                                   sampling=sampling)
+                                   sampling=sampling, penalties=row_penalties)
     relay = _write_relay(
         state.relay, inp.entries, kv_lens, next_tokens,
         temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p, seed=inp.seed,
     )
-    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay)
+    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
+                                penalty=penalty)
     if inp.targets is not None:  # a row asked for its prompt's logprobs (a program of its own)
         return state, PromptLogprobOutput.of(next_tokens, logprobs, *token_logprobs(params, hidden, inp.targets))
     return state, StepOutput.of(next_tokens, logprobs)

@@ -193,6 +193,9 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--stop-token-ids", default=None, help="comma-separated stop token ids")
     _add(g, "--ignore-eos", action="store_true", default=None)
     _add(g, "--logprobs", action="store_true", default=None)
+    _add(g, "--repetition-penalty", type=float, default=None)
+    _add(g, "--frequency-penalty", type=float, default=None)
+    _add(g, "--presence-penalty", type=float, default=None)
     g = parser.add_argument_group("other calls (instead of generating)")
     _add(g, "--info", action="store_true", help="print model and server info as JSON")
     _add(g, "--health", action="store_true", help="print the health status")
@@ -231,7 +234,9 @@ def run_client(args) -> int:
             return 2
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                        stop_token_ids=_ids(args.stop_token_ids), ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+                        stop_token_ids=_ids(args.stop_token_ids), ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                        presence_penalty=args.presence_penalty)
         prompt = args.prompt if token_ids is None else token_ids
         if args.chat:
             if token_ids is not None:

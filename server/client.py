@@ -26,7 +26,8 @@ from jaxoverlap.server import jaxoverlap_pb2 as pb
 from jaxoverlap.server import jaxoverlap_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "logprobs", "prompt_logprobs", "prompt_logprobs_start")
+                   "ignore_eos", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty",
+                   "frequency_penalty", "presence_penalty")
 
 
 @dataclasses.dataclass

@@ -43,7 +43,8 @@ INLINE_TOKENIZE_MAX_CHARS = 2048
 
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 _SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
-                     "prompt_logprobs", "prompt_logprobs_start")
+                     "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty")
 
 
 # ---- request decoding ---------------------------------------------------------------------------

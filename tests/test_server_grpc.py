@@ -150,6 +150,29 @@ def test_prompt_logprobs(env):
     _wait_idle(env)
 
 
+def test_penalties(env):
+    """Penalties reach the engine (across the engine process's pipe too): the server's
+    tokens equal the engine's own for the same request, and differ from the plain ones."""
+    client = env["client"]
+    tokenizer = env["worker"].call_sync(operator.attrgetter("tokenizer"))
+    prompt = tokenizer.encode("The cat sat on the mat. The cat sat on the mat. The cat")  # continues " sat on"
+    kw = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = client.generate_text(prompt, **kw)
+    got = client.generate_text(prompt, repetition_penalty=1.5, frequency_penalty=1.0, **kw)
+
+    def engine_run(engine):
+        from engine_fixtures import run_workload
+        from jaxoverlap.sampling_params import SamplingParams
+
+        return run_workload(engine, {0: [("direct", prompt, SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0,
+                                                                           detokenize=False, **kw))]})["direct"].token_ids
+
+    if isinstance(env["worker"], EngineWorker):  # a local function does not cross to the engine process
+        assert got.token_ids == env["worker"].call_sync(engine_run, timeout=60)
+    assert got.token_ids != plain.token_ids and got.cached_tokens == 0
+    _wait_idle(env)
+
+
 def test_model_and_server_info(env):
     client = env["client"]
     m = env["info"]
@@ -198,6 +221,8 @@ BAD = [
     ("negative top_k", "hi", {"top_k": -3}, grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
     ("seed out of range", "hi", {"seed": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "seed"),
     ("empty stop string", "hi", {"stop": [""]}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    ("frequency penalty out of range", "hi", {"frequency_penalty": 3.0}, grpc.StatusCode.INVALID_ARGUMENT,
+     "frequency_penalty"),
     ("prompt ids too long", list(range(3, 303)), {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
     ("prompt text too long", "word " * 600, {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
 ]

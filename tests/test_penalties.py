@@ -1,0 +1,143 @@
+"""Repetition, frequency and presence penalties (penalties.py): the engine's tokens equal a
+dense forward's with the penalties applied on the host, greedy and seeded, over chunked
+prompts, with overlap on and off, after a retraction, and next to a prefix cache that
+holds the same prompt."""
+from __future__ import annotations
+
+import collections
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_fixtures import VOCAB, assert_drained, make_engine, run_workload, tiny_config, tiny_params
+from jaxoverlap import penalties
+from jaxoverlap.errors import InvalidRequestError
+from jaxoverlap.models.transformer import dense_logits
+from jaxoverlap.sampling import sample
+from jaxoverlap.sampling_params import SamplingParams
+
+
+def penalized(logits: np.ndarray, prompt, output, rep: float, freq: float, pres: float) -> np.ndarray:
+    """The rule as vLLM states it, one token at a time."""
+    out = np.array(logits, np.float32)
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / np.float32(rep) if out[t] > 0 else out[t] * np.float32(rep)
+    for t, n in collections.Counter(output).items():
+        out[t] -= np.float32(freq) * np.float32(n) + np.float32(pres)
+    return out
+
+
+def reference(prompt, params: SamplingParams, seed: int = 0) -> list[int]:
+    """Greedy or seeded tokens of a dense forward with the penalties applied on the host."""
+    cfg = tiny_config()
+    seq, out = list(prompt), []
+    for _ in range(params.max_new_tokens):
+        logits = np.asarray(dense_logits(tiny_params(cfg), cfg, jnp.asarray(seq, jnp.int32))[-1])
+        logits = penalized(logits, prompt, out, params.repetition_penalty, params.frequency_penalty,
+                           params.presence_penalty)
+        if params.temperature == 0:
+            tok = int(np.argmax(logits))
+        else:
+            f32, i32 = (lambda x: jnp.asarray([x], jnp.float32)), (lambda x: jnp.asarray([x], jnp.int32))
+            tok = int(sample(jnp.asarray(logits)[None], f32(params.temperature), i32(params.top_k),
+                             f32(params.top_p), f32(params.min_p), jnp.asarray([seed], jnp.uint32),
+                             i32(len(seq)))[0][0])
+        seq.append(tok)
+        out.append(tok)
+    return out
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    few = rng.integers(0, VOCAB, size=6)  # repeated tokens, so the prompt's own tokens matter
+    return [int(t) for t in rng.choice(few, size=n)]
+
+
+CASES = {
+    "plain": SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True),
+    "rep": SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.8),
+    "freq": SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, frequency_penalty=1.5),
+    "pres": SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, presence_penalty=2.0),
+    "all": SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=0.7,
+                          frequency_penalty=-0.5, presence_penalty=0.8),
+    "sampled": SamplingParams(max_new_tokens=16, temperature=0.9, top_k=20, seed=7, ignore_eos=True,
+                              repetition_penalty=1.3, frequency_penalty=0.6),
+}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_penalties_match_a_dense_reference(overlap):
+    prompt = _prompt(0, 40)  # three prefill chunks of 16
+    eng = make_engine(disable_overlap=not overlap, chunked_prefill_size=16)
+    # The same prompt finishes first, so that the prefix cache holds its pages: the
+    # penalized requests must still prefill (and see) every prompt token.
+    first = run_workload(eng, {0: [("cached", prompt, CASES["plain"])]})
+    arrivals = {0: [(name, prompt, p) for name, p in CASES.items() if name in ("plain", "rep", "freq")],
+                2: [(name, prompt, p) for name, p in CASES.items() if name in ("pres", "all", "sampled")]}
+    finals = run_workload(eng, arrivals)
+    assert finals["plain"].token_ids == first["cached"].token_ids == reference(prompt, CASES["plain"])
+    assert finals["plain"].metrics.cached_prompt_tokens > 0
+    for name in ("rep", "freq", "pres", "all", "sampled"):
+        want = reference(prompt, CASES[name], seed=7)
+        assert finals[name].token_ids == want, name
+        assert finals[name].metrics.cached_prompt_tokens == 0, name
+        if name != "sampled":
+            assert want != finals["plain"].token_ids, f"{name}: the case should change the greedy output"
+    assert_drained(eng)
+
+
+def test_penalized_requests_survive_retraction():
+    """A cache of 96 tokens for four requests that grow to 44 each forces retractions; a
+    retracted request prefills its output again, which must count as generated."""
+    prompts = [_prompt(i, 12) for i in range(4)]
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, frequency_penalty=0.7,
+                            presence_penalty=0.3, repetition_penalty=1.2)
+    outs, retractions = [], []
+    for kv in (96, 512):
+        eng = make_engine(kv_cache_tokens=kv)
+        finals = run_workload(eng, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
+        outs.append({k: v.token_ids for k, v in finals.items()})
+        retractions.append(eng.stats()["num_retractions"])
+        assert_drained(eng)
+    assert retractions[0] > 0 and retractions[1] == 0
+    assert outs[0] == outs[1]
+    assert outs[1]["r0"] == reference(prompts[0], params)
+
+
+def test_record_prefill_counts_a_resumed_output():
+    """A resumed request's chunk: prompt positions are seen, positions past the prompt are
+    generated (counted); the entry's previous history is cleared by a chunk at position 0."""
+    pen = penalties.init_penalty_state(3, 10)
+    pen = penalties.record_generated(pen, jnp.asarray([1]), jnp.asarray([9]))  # a previous owner's token
+    inp = penalties.PrefillPenaltyInputs(jnp.asarray([[1.0, 0.5, 0.0], penalties.NEUTRAL], jnp.float32),
+                                         jnp.asarray([3, 0], jnp.int32))
+    tokens = jnp.asarray([[4, 4, 2, 7, 7, 0], [0, 0, 0, 0, 0, 0]], jnp.int32)  # prompt 4 4 2, then 7 7
+    pen = penalties.record_prefill(pen, jnp.asarray([1, 0]), tokens, jnp.asarray([0, 0]), jnp.asarray([5, 0]), inp)
+    row = np.asarray(pen.history[1])
+    assert (row & penalties.COUNT).tolist() == [0, 0, 0, 0, 0, 0, 0, 2, 0, 0]
+    assert ((row & penalties.SEEN) != 0).tolist() == [False, False, True, False, True, False, False, True,
+                                                      False, False]
+    np.testing.assert_array_equal(np.asarray(pen.params[1]), [1.0, 0.5, 0.0])
+    # A later chunk of the same request adds to the row instead of clearing it.
+    inp2 = penalties.PrefillPenaltyInputs(inp.params[:1], jnp.asarray([3], jnp.int32))
+    pen = penalties.record_prefill(pen, jnp.asarray([1]), jnp.asarray([[7, 3]]), jnp.asarray([5]),
+                                   jnp.asarray([2]), inp2)
+    assert (np.asarray(pen.history[1]) & penalties.COUNT).tolist() == [0, 0, 0, 1, 0, 0, 0, 3, 0, 0]
+
+
+def test_penalty_params_are_checked_and_refused_where_not_served():
+    for bad in (dict(repetition_penalty=0.0), dict(repetition_penalty=float("nan")), dict(frequency_penalty=2.5),
+                dict(presence_penalty=-3.0), dict(presence_penalty="1")):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)
+    assert not SamplingParams().has_penalties and SamplingParams(presence_penalty=0.1).has_penalties
+    eng = make_engine(enable_penalties=False)
+    assert eng.runner.state.penalty is None
+    with pytest.raises(InvalidRequestError, match="enable_penalties=False"):
+        eng.add_request("a", [1, 2, 3], SamplingParams(frequency_penalty=0.5))
+    eng.add_request("b", [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0.0))  # the rest still runs
+    assert len(run_workload(eng, {})["b"].token_ids) == 3
+    spec = make_engine(speculative_algorithm="ngram")
+    with pytest.raises(InvalidRequestError, match="speculative decoding"):
+        spec.add_request("a", [1, 2, 3], SamplingParams(repetition_penalty=1.2))
