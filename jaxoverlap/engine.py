@@ -365,11 +365,18 @@ class Engine:
         if params is not None and params.prompt_logprobs and self.config.speculative_algorithm:
             raise InvalidRequestError("prompt_logprobs is not available with speculative decoding: "
                                       "score prompts on an engine without a drafter")
-        if params is not None and params.has_penalties and not self.serves_penalties:
+        if params is not None and params.uses_history and not self.serves_penalties:
             why = ("speculative decoding" if self.config.speculative_algorithm
                    else "an engine started with enable_penalties=False")
-            raise InvalidRequestError("repetition_penalty, frequency_penalty and presence_penalty are not "
-                                      f"available with {why}")
+            raise InvalidRequestError("repetition_penalty, frequency_penalty, presence_penalty and min_new_tokens "
+                                      f"are not available with {why}")
+        if params is not None and params.min_new_tokens:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if len(stops) > penalties.MAX_STOP_IDS:
+                raise InvalidRequestError(f"min_new_tokens works with at most {penalties.MAX_STOP_IDS} stop token ids "
+                                          f"(EOS included), this request has {len(stops)}")
+            if any(t >= self.model_config.vocab_size for t in stops):
+                raise InvalidRequestError("stop_token_ids must be inside the vocabulary with min_new_tokens")
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) >= self.max_context_len:
             raise PromptTooLongError(

@@ -1,26 +1,29 @@
-"""Repetition, frequency and presence penalties, applied on the device.
+"""Repetition, frequency and presence penalties and min_new_tokens, applied on the device.
 
-Semantics as in vLLM and SGLang (and OpenAI's API for the last two), per request:
+Semantics as in vLLM and SGLang (and OpenAI's API for the two penalties), per request:
   repetition_penalty r (> 0, 1 = off): a token that occurs in the prompt or the output so
       far has its logit divided by r where positive, multiplied by r where negative;
   frequency_penalty f (-2..2, 0 = off): f x (times the token was generated) is subtracted;
-  presence_penalty p (-2..2, 0 = off): p is subtracted from every token generated before.
+  presence_penalty p (-2..2, 0 = off): p is subtracted from every token generated before;
+  min_new_tokens m (0 = off): the request's stop tokens (EOS unless ignore_eos, and its
+      stop_token_ids) cannot be chosen for its first m output tokens.
 They shape which token is chosen (greedy or sampled); reported logprobs stay those of the
-raw model distribution, as without penalties.
+raw model distribution.
 
 Each relay entry keeps a [V] row of history on the device (`PenaltyState`), so the host
 sends nothing per step and the overlap loop needs no token it has not seen yet: a decode
-step first records its input token (the one the step before generated), then penalizes.
-A prefill records its chunk's tokens: prompt positions as seen, positions at or past the
-prompt's end (a retracted request's output, prefilled again) as generated too. A request's
-first chunk clears the row that the entry's previous owner left. So a request with
-penalties must prefill its whole prompt and never read the prefix cache
-(`SamplingParams.has_penalties`, Scheduler._admit).
+step first records its input token (the one the step before generated), then applies the
+rules. A prefill records its chunk's tokens: prompt positions as seen, positions at or past
+the prompt's end (a retracted request's output, prefilled again) as generated too. A
+request's first chunk since admission clears the row that the entry's previous owner left
+and marks the request's stop tokens. Positions a prefill does not compute are never
+recorded, so a request with penalties prefills its whole prompt and never reads the prefix
+cache (Scheduler._admit); min_new_tokens alone needs only the stop marks and may.
 
 Only sampling programs (static `sampling=True`) read or write the history: the host routes
-every batch with a penalized row to one (runner.batch_samples), and prefill programs always
-sample. Rows without penalties (1, 0, 0) pass through `apply` unchanged, whatever their
-entry's row holds.
+every batch with such a row to one (runner.batch_samples), and prefill programs always
+sample. Rows without rules (NEUTRAL params, min_end 0) pass through `apply` unchanged,
+whatever their entry's row holds.
 """
 from __future__ import annotations
 
@@ -31,14 +34,17 @@ import jax.numpy as jnp
 
 SEEN = 1 << 24  # history bit: the token occurs in the prompt or the output
 COUNT = SEEN - 1  # history bits 0-23: how many times the request generated the token
+STOP = 1 << 25  # history bit: the token ends the request (banned before min_end)
 NEUTRAL = (1.0, 0.0, 0.0)  # (repetition, frequency, presence) of a request without penalties
+MAX_STOP_IDS = 16  # stop tokens a request with min_new_tokens may have (EOS ids included)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PenaltyState:
-    history: jax.Array  # [E, V] int32: per entry and token, SEEN | times generated
+    history: jax.Array  # [E, V] int32: per entry and token, STOP | SEEN | times generated
     params: jax.Array  # [E, 3] float32: repetition, frequency, presence
+    min_end: jax.Array  # [E] int32: stop tokens are banned at positions before this one
 
 
 @jax.tree_util.register_dataclass
@@ -48,26 +54,39 @@ class PrefillPenaltyInputs:
 
     params: jax.Array  # [R, 3] float32: repetition, frequency, presence (NEUTRAL for padding)
     prompt_lens: jax.Array  # [R] int32: positions from here on hold generated tokens
+    first: jax.Array  # [R] bool: the row's first chunk since admission (clears the entry's row)
+    stop_ids: jax.Array  # [R, MAX_STOP_IDS] int32: the request's stop tokens, -1 past them
+    min_end: jax.Array  # [R] int32: prompt length + min_new_tokens
 
 
 def init_penalty_state(num_entries: int, vocab_size: int) -> PenaltyState:
     return PenaltyState(
         history=jnp.zeros((num_entries, vocab_size), jnp.int32),
         params=jnp.tile(jnp.asarray(NEUTRAL, jnp.float32), (num_entries, 1)),  # [3] -> [E, 3]
+        min_end=jnp.zeros((num_entries,), jnp.int32),
     )
 
 
 def state_bytes(num_entries: int, vocab_size: int) -> int:
-    return num_entries * (vocab_size + 3) * 4
+    return num_entries * (vocab_size + 4) * 4
 
 
-def apply(logits: jax.Array, history: jax.Array, params: jax.Array) -> jax.Array:
-    """logits [B, V] float32; history [B, V] int32 and params [B, 3] of the rows' entries."""
+def apply(logits: jax.Array, positions: jax.Array, history: jax.Array, params: jax.Array,
+          min_end: jax.Array) -> jax.Array:
+    """logits [B, V] float32 of the tokens to be placed at positions [B]; history [B, V],
+    params [B, 3] and min_end [B] of the rows' entries."""
     rep, freq, pres = params[:, 0:1], params[:, 1:2], params[:, 2:3]  # [B, 1] each
     seen = (history & SEEN) != 0
     counts = history & COUNT
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - freq * counts.astype(logits.dtype) - pres * (counts > 0).astype(logits.dtype)
+    logits = logits - freq * counts.astype(logits.dtype) - pres * (counts > 0).astype(logits.dtype)
+    banned = ((history & STOP) != 0) & (positions < min_end)[:, None]
+    return jnp.where(banned, -jnp.inf, logits)
+
+
+def rows(pen: PenaltyState, entries: jax.Array) -> tuple:
+    """The entries' (history, params, min_end): what `apply` takes after the logits and positions."""
+    return pen.history[entries], pen.params[entries], pen.min_end[entries]
 
 
 def record_generated(pen: PenaltyState, entries: jax.Array, tokens: jax.Array) -> PenaltyState:
@@ -79,12 +98,16 @@ def record_generated(pen: PenaltyState, entries: jax.Array, tokens: jax.Array) -
 
 
 def record_prefill(pen: PenaltyState, entries, tokens, starts, chunk_lens, inp: PrefillPenaltyInputs) -> PenaltyState:
-    """A prefill chunk of R rows: entries [R], tokens [R, Q], starts / chunk_lens [R]. A row
-    starting at position 0 clears its entry's history first."""
+    """A prefill chunk of R rows: entries [R], tokens [R, Q], starts / chunk_lens [R]. A
+    row's first chunk clears its entry's history and marks its stop tokens first."""
     R, Q = tokens.shape
     history = pen.history
-    fresh = (starts == 0)[:, None]  # [R, 1]
-    history = history.at[entries].set(jnp.where(fresh, 0, history[entries]))  # padded rows: entry 0, all zero
+    first = inp.first[:, None]  # [R, 1]
+    history = history.at[entries].set(jnp.where(first, 0, history[entries]))  # padded rows: entry 0, all zero
+    marked = inp.first[:, None] & (inp.stop_ids >= 0)  # [R, K]
+    stop_rows = jnp.where(marked, entries[:, None], 0)  # [R, K]; unmarked ones to entry 0
+    stop_ids = jnp.maximum(inp.stop_ids, 0)
+    history = history.at[stop_rows, stop_ids].set(jnp.where(marked, STOP, history[stop_rows, stop_ids]))
     offsets = jnp.arange(Q, dtype=jnp.int32)[None, :]
     valid = offsets < chunk_lens[:, None]  # [R, Q]
     generated = valid & (starts[:, None] + offsets >= inp.prompt_lens[:, None])
@@ -93,4 +116,5 @@ def record_prefill(pen: PenaltyState, entries, tokens, starts, chunk_lens, inp: 
     rows = jnp.where(valid, entries[:, None], 0)  # [R, Q]
     history = history.at[rows, tokens].add(generated.astype(jnp.int32))
     history = history.at[rows, tokens].set(history[rows, tokens] | SEEN)
-    return PenaltyState(history=history, params=pen.params.at[entries].set(inp.params))
+    return PenaltyState(history=history, params=pen.params.at[entries].set(inp.params),
+                        min_end=pen.min_end.at[entries].set(inp.min_end))

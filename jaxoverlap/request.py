@@ -45,6 +45,7 @@ class Request:
     # request continues exactly as it would have without the retraction.
     resume_token: int | None = None
     prefill_pos: int = 0  # next position to prefill
+    admitted_at: int = 0  # the position its prefill started from at its last admission (after the cached prefix)
     # Positions whose K/V the host knows to be written once every launched prefill and
     # every processed decode step has run. The device may be up to one window ahead.
     kv_committed: int = 0

@@ -23,7 +23,7 @@ from jaxoverlap.buckets import pick, powers_of_two_up_to
 from jaxoverlap.device_state import DeviceState
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, layers_per_stack
-from jaxoverlap.penalties import NEUTRAL, PrefillPenaltyInputs
+from jaxoverlap.penalties import MAX_STOP_IDS, NEUTRAL, PrefillPenaltyInputs
 from jaxoverlap.scheduler import ScheduledBatch
 
 
@@ -50,10 +50,11 @@ class LaunchedStep:
 
 
 def batch_samples(batch: ScheduledBatch) -> bool:
-    """Whether any row of a decode batch samples (temperature > 0) or has penalties: a static
+    """Whether any row of a decode batch samples (temperature > 0) or has penalties or
+    min_new_tokens: a static
     flag of the decode step, so all-greedy batches compile without the vocabulary sort and
     the penalties' history (prefill programs always sample, `_prefill_program`)."""
-    return any(row.req.params.temperature > 0 or row.req.params.has_penalties for row in batch.rows)
+    return any(row.req.params.temperature > 0 or row.req.params.uses_history for row in batch.rows)
 
 
 def _sampling_arrays(rows, num_rows: int):
@@ -72,14 +73,23 @@ def _sampling_arrays(rows, num_rows: int):
 
 
 def _penalty_inputs(rows, R: int) -> PrefillPenaltyInputs:
-    """The rows' penalty params and prompt lengths, padded to R rows (penalties.py)."""
+    """The rows' penalty params, prompt lengths, stop tokens and min_new_tokens ends, padded
+    to R rows (penalties.py)."""
     params = np.tile(np.asarray(NEUTRAL, np.float32), (R, 1))  # [3] -> [R, 3]
     prompt_lens = np.zeros((R,), np.int32)
+    first = np.zeros((R,), bool)
+    stop_ids = np.full((R, MAX_STOP_IDS), -1, np.int32)
+    min_end = np.zeros((R,), np.int32)
     for i, row in enumerate(rows):
-        p = row.req.params
+        req, p = row.req, row.req.params
         params[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-        prompt_lens[i] = len(row.req.prompt_ids)
-    return PrefillPenaltyInputs(params, prompt_lens)
+        prompt_lens[i] = len(req.prompt_ids)
+        first[i] = row.start == req.admitted_at
+        if p.min_new_tokens:  # Engine.check_request saw that the stop ids fit
+            ids = sorted(req.stop_ids)
+            stop_ids[i, : len(ids)] = ids
+            min_end[i] = len(req.prompt_ids) + p.min_new_tokens
+    return PrefillPenaltyInputs(params, prompt_lens, first, stop_ids, min_end)
 
 
 def _prompt_targets(rows, R: int, T: int) -> np.ndarray | None:

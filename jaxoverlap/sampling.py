@@ -45,13 +45,13 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampli
     a conditional's predicate back to the host, which blocks the dispatch of the step until
     the device has caught up: exactly the wait the overlap loop exists to avoid.)
 
-    `penalties`: None, or the rows' (history [B, V], params [B, 3]) of `penalties.py`; the
-    token is chosen from the penalized logits, greedy rows too.
+    `penalties`: None, or the rows' (history [B, V], params [B, 3], min_end [B]) of
+    `penalties.py`; the token is chosen from the logits those rules give, greedy rows too.
 
     Returns (tokens [B] int32, logprobs [B] float32 of the chosen tokens under the raw model
     distribution).
     """
-    chosen_from = logits if penalties is None else apply_penalties(logits, *penalties)
+    chosen_from = logits if penalties is None else apply_penalties(logits, positions, *penalties)
     tokens = jnp.argmax(chosen_from, axis=-1).astype(jnp.int32)
     if sampling:
         sampled = _sample_filtered(chosen_from, temperature, top_k, top_p, min_p, seeds, positions)

@@ -25,6 +25,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # No stop token (EOS unless ignore_eos, stop_token_ids) among the first this many output
+    # tokens: they are masked on the device (vLLM's min_tokens, SGLang's min_new_tokens).
+    # Stop strings still apply.
+    min_new_tokens: int = 0
     # The logprob of each prompt token under the model, and whether it was the model's top
     # choice there: loglikelihood scoring (multiple-choice evaluations). From prompt
     # position `prompt_logprobs_start` on (earlier positions stay None; position 0 has no
@@ -55,6 +59,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
+    @property
+    def uses_history(self) -> bool:
+        """Whether the device's per-request token history serves this request (penalties.py)."""
+        return self.has_penalties or self.min_new_tokens > 0
+
     def validate(self) -> None:
         def bad(msg: str):
             raise InvalidRequestError(f"invalid sampling params: {msg}")
@@ -77,6 +86,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _finite(value) or not -2.0 <= value <= 2.0:
                 bad(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+        if (not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool)
+                or not 0 <= self.min_new_tokens <= self.max_new_tokens):
+            bad(f"min_new_tokens must be an integer in [0, max_new_tokens], got {self.min_new_tokens!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 bad(f"stop strings must be non-empty strings, got {s!r}")

@@ -227,7 +227,7 @@ class Scheduler:
         req.pages = [n.page for n in path] + new_pages
         # The whole row is (re)written: the entry's previous owner left its slots there.
         reservations.extend((req.entry, i, p) for i, p in enumerate(req.pages))
-        req.prefill_pos = len(path) * ps
+        req.prefill_pos = req.admitted_at = len(path) * ps
         req.kv_committed = req.prefill_pos
         req.metrics.cached_prompt_tokens = max(req.metrics.cached_prompt_tokens, min(req.prefill_pos, len(req.prompt_ids)))
         req.status = Status.PREFILL

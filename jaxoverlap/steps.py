@@ -19,7 +19,8 @@ from jaxoverlap.device_state import DeviceState, Relay
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
-from jaxoverlap.penalties import PrefillPenaltyInputs, record_generated, record_prefill
+from jaxoverlap import penalties
+from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
 
 
@@ -206,8 +207,8 @@ def decode_step(
     logits = lm_logits(params, hidden[:, 0])  # [B, V]
     penalty, row_penalties = state.penalty, None
     if sampling and penalty is not None:  # the host sends every batch with a penalized row here
-        penalty = record_generated(penalty, entries, tokens)
-        row_penalties = (penalty.history[entries], penalty.params[entries])
+        penalty = penalties.record_generated(penalty, entries, tokens)
+        row_penalties = penalties.rows(penalty, entries)
     next_tokens, logprobs = sample(
         logits, relay.temperature[entries], relay.top_k[entries], relay.top_p[entries],
         relay.min_p[entries], relay.seed[entries], lens + 1, sampling=sampling, penalties=row_penalties,
@@ -275,7 +276,8 @@ class PrefillInputs:
     # Only for prefills with prompt_logprobs: [R, Q] int32, the prompt token after each of
     # the chunk's positions (the next chunk's first token after the last), 0 where none.
     targets: jax.Array | None = None
-    # Where the engine serves penalties (DeviceState.penalty): the rows' penalty params.
+    # Where the engine serves penalties (DeviceState.penalty): the rows' penalty params,
+    # stop tokens and min_new_tokens.
     penalties: PrefillPenaltyInputs | None = None
 
 
@@ -323,8 +325,9 @@ def prefill_step(
     logits = lm_logits(params, last_hidden)
     penalty, row_penalties = state.penalty, None
     if penalty is not None:
-        penalty = record_prefill(penalty, inp.entries, inp.tokens, inp.starts, inp.chunk_lens, inp.penalties)
-        row_penalties = (penalty.history[inp.entries], penalty.params[inp.entries])
+        penalty = penalties.record_prefill(penalty, inp.entries, inp.tokens, inp.starts, inp.chunk_lens,
+                                           inp.penalties)
+        row_penalties = penalties.rows(penalty, inp.entries)
     next_tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed, kv_lens,
                                    sampling=sampling, penalties=row_penalties)
     relay = _write_relay(

@@ -44,7 +44,7 @@ INLINE_TOKENIZE_MAX_CHARS = 2048
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 _SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
                      "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty")
+                     "presence_penalty", "min_new_tokens")
 
 
 # ---- request decoding ---------------------------------------------------------------------------

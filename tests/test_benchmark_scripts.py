@@ -116,3 +116,18 @@ def test_serve_cold_start(tmp_path):
         assert r["precompiled_programs"] > 0 and r["precompiled_programs"] == first["precompiled_programs"]
         assert r["compiling_launches_in_workload"] == 0, r
     assert first["cache_entries_before"] == 0 and second["cache_entries_before"] > 0
+
+
+def test_penalty_bench(tmp_path):
+    res = run_script(tmp_path, "penalty_bench", "--tiny", "--batches", "2", "--new-tokens", "8", "--device-iters", "2")
+    (row,) = res["rows"]
+    for name in ("greedy", "sampled", "sampled_penalties", "greedy_penalties"):
+        assert row[f"{name}_period_ms"] > 0 and row[f"{name}_launch_ms"] > 0, name
+    assert row["device_sampling_ms"] > 0 and row["device_sampling_no_history_ms"] > 0
+
+
+def test_prefill_ctx_bench(tmp_path):
+    res = run_script(tmp_path, "prefill_ctx_bench", "--tiny", "--shapes", "2x32", "--iters", "2")
+    (row,) = res["rows"]
+    assert (row["rows"], row["tokens"]) == (2, 32)
+    assert all(row[f"{v}_ms"] > 0 for v in ("bucket", "table", "greedy", "logprobs"))

@@ -1,7 +1,7 @@
-"""Repetition, frequency and presence penalties (penalties.py): the engine's tokens equal a
-dense forward's with the penalties applied on the host, greedy and seeded, over chunked
-prompts, with overlap on and off, after a retraction, and next to a prefix cache that
-holds the same prompt."""
+"""Repetition, frequency and presence penalties and min_new_tokens (penalties.py): the
+engine's tokens equal a dense forward's with the rules applied on the host, greedy and
+seeded, over chunked prompts, with overlap on and off, after a retraction, and next to a
+prefix cache that holds the same prompt."""
 from __future__ import annotations
 
 import collections
@@ -29,13 +29,16 @@ def penalized(logits: np.ndarray, prompt, output, rep: float, freq: float, pres:
 
 
 def reference(prompt, params: SamplingParams, seed: int = 0) -> list[int]:
-    """Greedy or seeded tokens of a dense forward with the penalties applied on the host."""
+    """Greedy or seeded tokens of a dense forward with the rules applied on the host (the
+    tiny model has no EOS: stop_token_ids are the stop tokens)."""
     cfg = tiny_config()
     seq, out = list(prompt), []
-    for _ in range(params.max_new_tokens):
+    while len(out) < params.max_new_tokens and not (out and out[-1] in params.stop_token_ids):
         logits = np.asarray(dense_logits(tiny_params(cfg), cfg, jnp.asarray(seq, jnp.int32))[-1])
         logits = penalized(logits, prompt, out, params.repetition_penalty, params.frequency_penalty,
                            params.presence_penalty)
+        if len(out) < params.min_new_tokens:
+            logits[list(params.stop_token_ids)] = -np.inf
         if params.temperature == 0:
             tok = int(np.argmax(logits))
         else:
@@ -105,39 +108,77 @@ def test_penalized_requests_survive_retraction():
     assert outs[1]["r0"] == reference(prompts[0], params)
 
 
+def _prefill_inputs(params, prompt_lens, first, stop_ids, min_end):
+    K = penalties.MAX_STOP_IDS
+    stops = np.full((len(first), K), -1, np.int32)
+    for i, ids in enumerate(stop_ids):
+        stops[i, : len(ids)] = ids
+    return penalties.PrefillPenaltyInputs(jnp.asarray(params, jnp.float32), jnp.asarray(prompt_lens, jnp.int32),
+                                          jnp.asarray(first), jnp.asarray(stops), jnp.asarray(min_end, jnp.int32))
+
+
 def test_record_prefill_counts_a_resumed_output():
     """A resumed request's chunk: prompt positions are seen, positions past the prompt are
-    generated (counted); the entry's previous history is cleared by a chunk at position 0."""
+    generated (counted); the row's first chunk clears what the entry's previous owner left
+    and marks the stop tokens; stop tokens are banned before min_end only."""
     pen = penalties.init_penalty_state(3, 10)
     pen = penalties.record_generated(pen, jnp.asarray([1]), jnp.asarray([9]))  # a previous owner's token
-    inp = penalties.PrefillPenaltyInputs(jnp.asarray([[1.0, 0.5, 0.0], penalties.NEUTRAL], jnp.float32),
-                                         jnp.asarray([3, 0], jnp.int32))
+    inp = _prefill_inputs([[1.0, 0.5, 0.0], penalties.NEUTRAL], [3, 0], [True, False], [[8, 5], []], [7, 0])
     tokens = jnp.asarray([[4, 4, 2, 7, 7, 0], [0, 0, 0, 0, 0, 0]], jnp.int32)  # prompt 4 4 2, then 7 7
     pen = penalties.record_prefill(pen, jnp.asarray([1, 0]), tokens, jnp.asarray([0, 0]), jnp.asarray([5, 0]), inp)
     row = np.asarray(pen.history[1])
     assert (row & penalties.COUNT).tolist() == [0, 0, 0, 0, 0, 0, 0, 2, 0, 0]
-    assert ((row & penalties.SEEN) != 0).tolist() == [False, False, True, False, True, False, False, True,
-                                                      False, False]
+    assert ((row & penalties.SEEN) != 0).nonzero()[0].tolist() == [2, 4, 7]
+    assert ((row & penalties.STOP) != 0).nonzero()[0].tolist() == [5, 8]
     np.testing.assert_array_equal(np.asarray(pen.params[1]), [1.0, 0.5, 0.0])
+    assert int(pen.min_end[1]) == 7
     # A later chunk of the same request adds to the row instead of clearing it.
-    inp2 = penalties.PrefillPenaltyInputs(inp.params[:1], jnp.asarray([3], jnp.int32))
+    inp2 = _prefill_inputs([[1.0, 0.5, 0.0]], [3], [False], [[8, 5]], [7])
     pen = penalties.record_prefill(pen, jnp.asarray([1]), jnp.asarray([[7, 3]]), jnp.asarray([5]),
                                    jnp.asarray([2]), inp2)
-    assert (np.asarray(pen.history[1]) & penalties.COUNT).tolist() == [0, 0, 0, 1, 0, 0, 0, 3, 0, 0]
+    row = np.asarray(pen.history[1])
+    assert (row & penalties.COUNT).tolist() == [0, 0, 0, 1, 0, 0, 0, 3, 0, 0]
+    assert ((row & penalties.STOP) != 0).nonzero()[0].tolist() == [5, 8]
+    logits = jnp.zeros((2, 10), jnp.float32)
+    h, p, m = penalties.rows(pen, jnp.asarray([1, 1]))
+    out = np.asarray(penalties.apply(logits, jnp.asarray([6, 7]), h, p, m))
+    assert np.isneginf(out[0]).nonzero()[0].tolist() == [5, 8] and not np.isneginf(out[1]).any()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_min_new_tokens_masks_stop_tokens(overlap):
+    """A stop token the plain run ends on at output 2 is masked until output 6; the same
+    prompt cached before may serve min_new_tokens (unlike penalties)."""
+    prompt = _prompt(1, 21)
+    eng = make_engine(disable_overlap=not overlap, chunked_prefill_size=8)
+    plain = run_workload(eng, {0: [("plain", prompt, CASES["plain"])]})["plain"].token_ids
+    stop = plain[2]
+    early = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[stop, 1])
+    late = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[stop, 1], min_new_tokens=6)
+    finals = run_workload(eng, {0: [("early", prompt, early), ("late", prompt, late)]})
+    assert finals["early"].token_ids == plain[:3] and finals["early"].finish_reason == "stop"
+    want = reference(prompt, late)
+    assert finals["late"].token_ids == want and len(want) > 6 and stop not in want[:6]
+    assert finals["late"].metrics.cached_prompt_tokens > 0
+    assert_drained(eng)
 
 
 def test_penalty_params_are_checked_and_refused_where_not_served():
     for bad in (dict(repetition_penalty=0.0), dict(repetition_penalty=float("nan")), dict(frequency_penalty=2.5),
-                dict(presence_penalty=-3.0), dict(presence_penalty="1")):
+                dict(presence_penalty=-3.0), dict(presence_penalty="1"), dict(min_new_tokens=-1),
+                dict(max_new_tokens=4, min_new_tokens=5)):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**bad)
     assert not SamplingParams().has_penalties and SamplingParams(presence_penalty=0.1).has_penalties
     eng = make_engine(enable_penalties=False)
     assert eng.runner.state.penalty is None
-    with pytest.raises(InvalidRequestError, match="enable_penalties=False"):
-        eng.add_request("a", [1, 2, 3], SamplingParams(frequency_penalty=0.5))
+    for params in (SamplingParams(frequency_penalty=0.5), SamplingParams(min_new_tokens=2)):
+        with pytest.raises(InvalidRequestError, match="enable_penalties=False"):
+            eng.add_request("a", [1, 2, 3], params)
     eng.add_request("b", [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0.0))  # the rest still runs
     assert len(run_workload(eng, {})["b"].token_ids) == 3
+    with pytest.raises(InvalidRequestError, match="at most 16 stop token ids"):
+        make_engine().add_request("a", [1, 2, 3], SamplingParams(min_new_tokens=2, stop_token_ids=list(range(17))))
     spec = make_engine(speculative_algorithm="ngram")
     with pytest.raises(InvalidRequestError, match="speculative decoding"):
         spec.add_request("a", [1, 2, 3], SamplingParams(repetition_penalty=1.2))

@@ -60,6 +60,7 @@ def test_tp_greedy_matches_single_device():
     assert out["fallback_attention_error"] < 1e-4, "replicated Pallas attention (KVH < TP) is wrong"
     one, two = out["prompt-logprobs-1"], out["prompt-logprobs-2"]
     assert len(one["logprobs"]) == 36 and one["top1"] == two["top1"]
+    assert len(one["penalized"]) == 16 and one["penalized"] == two["penalized"]
     np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-4)
     for backend in ("xla", "pallas"):
         hlo = out[f"hlo-{backend}"]
