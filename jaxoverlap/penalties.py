@@ -103,7 +103,7 @@ def record_prefill(pen: PenaltyState, entries, tokens, starts, chunk_lens, inp: 
     R, Q = tokens.shape
     history = pen.history
     first = inp.first[:, None]  # [R, 1]
-    history = history.at[entries].set(jnp.where(first, 0, history[entries]))  # padded rows: entry 0, all zero
+    history = history.at[entries].set(jnp.where(first, 0, history[entries]))  # padded rows (entry 0): unchanged
     marked = inp.first[:, None] & (inp.stop_ids >= 0)  # [R, K]
     stop_rows = jnp.where(marked, entries[:, None], 0)  # [R, K]; unmarked ones to entry 0
     stop_ids = jnp.maximum(inp.stop_ids, 0)

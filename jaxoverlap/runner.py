@@ -50,10 +50,10 @@ class LaunchedStep:
 
 
 def batch_samples(batch: ScheduledBatch) -> bool:
-    """Whether any row of a decode batch samples (temperature > 0) or has penalties or
-    min_new_tokens: a static
-    flag of the decode step, so all-greedy batches compile without the vocabulary sort and
-    the penalties' history (prefill programs always sample, `_prefill_program`)."""
+    """Whether any row of a decode batch samples (temperature > 0) or uses the penalties'
+    history (penalties or min_new_tokens): a static flag of the decode step, so all-greedy
+    batches compile without the vocabulary sort and the history (prefill programs always
+    sample, `_prefill_program`)."""
     return any(row.req.params.temperature > 0 or row.req.params.uses_history for row in batch.rows)
 
 
