@@ -161,6 +161,8 @@ def _result_record(request: BatchRequest, result) -> dict:
     }
     if result.logprobs is not None:
         record["logprobs"] = result.logprobs
+    if result.top_logprobs is not None:  # per output token: [[token id, logprob], ...], most likely first
+        record["top_logprobs"] = result.top_logprobs
     if result.prompt_logprobs is not None:
         record["prompt_logprobs"], record["prompt_top1"] = result.prompt_logprobs, result.prompt_top1
     if request.metadata is not _NO_METADATA:

@@ -83,6 +83,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", action="store_true")
+    g.add_argument("--top-logprobs", type=int, default=0,
+                   help="per output token, this many (at most 20) most likely tokens and their logprobs")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divide positive logits (multiply negative ones) of tokens in the prompt or output (1 = off)")
     g.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -101,8 +103,8 @@ def sampling_params(args: argparse.Namespace):
     return SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, seed=args.sampling_seed, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
-        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, top_logprobs=args.top_logprobs,
+        prompt_logprobs=args.prompt_logprobs, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens,
     )
 
@@ -137,6 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "prompt": prompt, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                 "ttft_s": r.metrics.time_to_first_token, "tokens_per_s": r.metrics.tokens_per_second,
                 **({"logprobs": r.logprobs} if r.logprobs is not None else {}),
+                **({"top_logprobs": r.top_logprobs} if r.top_logprobs is not None else {}),
                 **({"prompt_logprobs": r.prompt_logprobs, "prompt_top1": r.prompt_top1}
                    if r.prompt_logprobs is not None else {}),
             }))

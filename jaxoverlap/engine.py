@@ -365,6 +365,8 @@ class Engine:
         if params is not None and params.prompt_logprobs and self.config.speculative_algorithm:
             raise InvalidRequestError("prompt_logprobs is not available with speculative decoding: "
                                       "score prompts on an engine without a drafter")
+        if params is not None and params.top_logprobs and self.config.speculative_algorithm:
+            raise InvalidRequestError("top_logprobs is not available with speculative decoding")
         if params is not None and params.uses_history and not self.serves_penalties:
             why = ("speculative decoding" if self.config.speculative_algorithm
                    else "an engine started with enable_penalties=False")
@@ -502,7 +504,8 @@ class Engine:
             wait_s = time.perf_counter() - t
             s = self.scheduler
             before = (s.num_accepted_tokens, s.num_verify_rows)
-            updated = s.process(launched.batch, tokens, logprobs, accept_lens, launched.prompt_logprobs())
+            updated = s.process(launched.batch, tokens, logprobs, accept_lens, launched.prompt_logprobs(),
+                                launched.top_logprobs())
             self._accepted = (s.num_accepted_tokens - before[0], s.num_verify_rows - before[1])
         finished = self.scheduler.poll_finished()
         return wait_s, self._make_outputs(updated, finished), found_done
@@ -554,6 +557,7 @@ class Engine:
                 req.pending_text += req.detok.flush()
             new_ids = req.output_ids[req.num_emitted:]
             new_lp = req.output_logprobs[req.num_emitted:] if params.logprobs else None
+            new_top = req.output_top_logprobs[req.num_emitted:] if req.output_top_logprobs is not None else None
             new_text = req.pending_text
             if params.stop and not finished:
                 # Hold back text that may still turn out to begin a stop string.
@@ -564,7 +568,7 @@ class Engine:
             req.num_emitted = n_ids
             self.tokens_generated += len(new_ids)
             out = RequestOutput(req.request_id, new_ids, new_text, finished, req.finish_reason, req.metrics, new_lp,
-                                req.output_ids, n_ids)
+                                req.output_ids, n_ids, new_top_logprobs=new_top)
             if finished and req.prompt_logprobs is not None:
                 out.prompt_logprobs, out.prompt_top1 = req.prompt_logprobs, req.prompt_top1
             outputs.append(out)

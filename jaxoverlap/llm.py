@@ -161,6 +161,7 @@ class LLM:
         prompt_ids = {rid: p for rid, p, _ in pending}
         texts = {rid: [] for rid in index}
         logprobs = {rid: [] for rid in index}
+        top = {rid: [] for rid in index}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -176,14 +177,17 @@ class LLM:
                     texts[rid].append(out.new_text)
                     if out.new_logprobs is not None:
                         logprobs[rid].extend(out.new_logprobs)
+                    if out.new_top_logprobs is not None:
+                        top[rid].extend(out.new_top_logprobs)
                     if out.finished:
                         result = GenerationResult(
                             request_id=rid, prompt_token_ids=prompt_ids[rid], token_ids=out.token_ids,
                             text="".join(texts.pop(rid)), finish_reason=out.finish_reason, metrics=out.metrics,
                             logprobs=logprobs[rid] if out.new_logprobs is not None else None,
                             prompt_logprobs=out.prompt_logprobs, prompt_top1=out.prompt_top1,
+                            top_logprobs=top[rid] if out.new_top_logprobs is not None else None,
                         )
-                        del logprobs[rid]
+                        del logprobs[rid], top[rid]
                         if bar is not None:
                             bar.update(1)
                         yield index[rid], result

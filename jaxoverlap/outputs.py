@@ -55,6 +55,8 @@ class RequestOutput:
     # at position 0, which nothing precedes).
     prompt_logprobs: list[float | None] | None = None
     prompt_top1: list[bool | None] | None = None
+    # SamplingParams.top_logprobs: per new token, [(token id, logprob), ...] most likely first.
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -75,6 +77,7 @@ class GenerationResult:
     logprobs: list[float] | None = None
     prompt_logprobs: list[float | None] | None = None  # SamplingParams.prompt_logprobs (RequestOutput)
     prompt_top1: list[bool | None] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # SamplingParams.top_logprobs, per output token
 
 
 class OutputText:

@@ -27,6 +27,8 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    # SamplingParams.top_logprobs: per output token, [(token id, logprob), ...] most likely first.
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     abort_requested: bool = False
     # The token ids that end this request: its stop_token_ids, and EOS unless ignore_eos
@@ -71,6 +73,8 @@ class Request:
         self.metrics.arrival_time = self.arrival_time
         self.metrics.prompt_tokens = len(self.prompt_ids)
         self.fill_ids = list(self.prompt_ids)
+        if self.params.top_logprobs:
+            self.output_top_logprobs = []
         if self.params.prompt_logprobs:
             self.prompt_logprobs = [None] * len(self.prompt_ids)
             self.prompt_top1 = [None] * len(self.prompt_ids)

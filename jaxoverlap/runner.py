@@ -46,7 +46,14 @@ class LaunchedStep:
         asked for them (steps.PromptLogprobOutput), else None."""
         if not isinstance(self.out, steps.PromptLogprobOutput):
             return None
-        return steps.PromptLogprobOutput.prompt_part(np.asarray(self.out.packed))
+        return self.out.prompt_part(np.asarray(self.out.packed))
+
+    def top_logprobs(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """After fetch: each row's [R, K] most likely token ids and their logprobs, if a row
+        asked for them (steps.StepOutput.has_top), else None."""
+        if not getattr(self.out, "has_top", False):  # speculative outputs never have them
+            return None
+        return self.out.top_part(np.asarray(self.out.packed))
 
 
 def batch_samples(batch: ScheduledBatch) -> bool:
@@ -55,6 +62,12 @@ def batch_samples(batch: ScheduledBatch) -> bool:
     batches compile without the vocabulary sort and the history (prefill programs always
     sample, `_prefill_program`)."""
     return any(row.req.params.temperature > 0 or row.req.params.uses_history for row in batch.rows)
+
+
+def batch_top_logprobs(rows) -> bool:
+    """Whether any row asked for top logprobs: a static flag of decode and prefill programs
+    (steps.TOP_LOGPROBS alternatives per row), so other batches do without the top-k."""
+    return any(row.req.params.top_logprobs for row in rows)
 
 
 def _sampling_arrays(rows, num_rows: int):
@@ -218,7 +231,7 @@ class ModelRunner:
         # How a decode launch sends its one input array (EngineConfig.decode_inputs):
         # "every_step" or "on_change".
         self.decode_inputs = decode_inputs
-        self._rows_cache = None  # (rows list, bucket, packed inputs without reservations, sampling): _decode_rows
+        self._rows_cache = None  # (rows list, bucket, packed inputs without reservations, flags): _decode_rows
         self._layout_of = None  # (params, its layout key): _program_key
 
     def release(self) -> None:
@@ -266,7 +279,8 @@ class ModelRunner:
         return LaunchedStep(batch, out)
 
     def _decode_rows(self, batch: ScheduledBatch, B: int):
-        """(packed inputs without reservations, whether any row samples) of a decode batch:
+        """(packed inputs without reservations, (whether any row samples, whether any wants
+        top logprobs)) of a decode batch:
         the entries [B] followed by an empty reservations table (steps.DecodeInputs). The
         scheduler hands out the same rows list while its running set is unchanged, and a
         row's entry and sampling params do not change while it runs, so both are built once
@@ -276,7 +290,7 @@ class ModelRunner:
             return cached[2], cached[3]
         packed = np.zeros((B + 3 * self._decode_res_capacity(B),), np.int32)  # padded rows on entry 0
         packed[: batch.size] = [row.req.entry for row in batch.rows]
-        sampling = batch_samples(batch)
+        sampling = (batch_samples(batch), batch_top_logprobs(batch.rows))
         # The list is held here, so its id cannot be reused by another list meanwhile.
         self._rows_cache = (batch.rows, B, packed, sampling)
         return packed, sampling
@@ -306,7 +320,7 @@ class ModelRunner:
     def _launch_decode(self, batch: ScheduledBatch):
         """A plain or speculative decode step (the drafter decides which)."""
         B = pick(self.batch_buckets, batch.size)
-        base, sampling = self._decode_rows(batch, B)
+        base, (sampling, top) = self._decode_rows(batch, B)
         inputs = self._decode_inputs(batch, B, base)
         host_drafts = None
         if self.needs_host_results(batch):
@@ -317,8 +331,8 @@ class ModelRunner:
             self.last_draft_s = time.perf_counter() - t
             host_drafts = HostDrafts(tokens, counts)
         ctx_len = self._ctx_len(batch)
-        step, args, static = self._decode_program(inputs, host_drafts, ctx_len, sampling, batch.draft)
-        key = self._program_key(B, host_drafts is not None, ctx_len, sampling, batch.draft)
+        step, args, static = self._decode_program(inputs, host_drafts, ctx_len, sampling, batch.draft, top)
+        key = self._program_key(B, host_drafts is not None, ctx_len, sampling, batch.draft, top)
         self.state, out = self._call_decode(key, step, args, static)
         return out
 
@@ -335,8 +349,9 @@ class ModelRunner:
             self._layout_of = (self.params, (layers_per_stack(self.params), type(self.params.layers)))
         return self._layout_of[1]
 
-    def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool) -> tuple:
-        return (B, host_drafts, ctx_len, sampling, draft, self.attention, self._layout_key())
+    def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool,
+                     top: bool = False) -> tuple:
+        return (B, host_drafts, ctx_len, sampling, draft, top, self.attention, self._layout_key())
 
     def _call_decode(self, key: tuple, step, args, static):
         pair = self._executables.get(key)
@@ -386,11 +401,14 @@ class ModelRunner:
     def _decode_res_capacity(self, B: int) -> int:
         return max(8, B * self.decode_pages_per_row)
 
-    def _decode_program(self, inputs: steps.DecodeInputs, host_drafts, ctx_len: int, sampling: bool, draft: bool):
+    def _decode_program(self, inputs: steps.DecodeInputs, host_drafts, ctx_len: int, sampling: bool, draft: bool,
+                        top: bool = False):
         """(jitted step, arguments, static arguments) of one decode launch. `launch` and
-        `precompile` both build their call here, so that they meet in one jit cache entry."""
+        `precompile` both build their call here, so that they meet in one jit cache entry.
+        `top`: the variant that returns top logprobs (plain engines only: speculative ones
+        refuse such requests)."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
-                      sampling=sampling)
+                      sampling=sampling, **({"top_logprobs": True} if top else {}))
         if self.spec is None:
             return steps.decode_step, (self.params, self.state, inputs), static
         from jaxoverlap.speculative.step import spec_decode_step
@@ -500,8 +518,8 @@ class ModelRunner:
     def _prefill_res_capacity(self, R: int) -> int:
         return R * self.pages_per_row
 
-    def _prefill_key(self, R: int, T: int, ctx_len: int, prompt_logprobs: bool = False) -> tuple:
-        return (R, T, ctx_len, self.attention, self._layout_key(), prompt_logprobs)
+    def _prefill_key(self, R: int, T: int, ctx_len: int, prompt_logprobs: bool = False, top: bool = False) -> tuple:
+        return (R, T, ctx_len, self.attention, self._layout_key(), prompt_logprobs, top)
 
     def _launch_prefill(self, batch: ScheduledBatch) -> steps.StepOutput:
         R, T = self._prefill_shape(batch)
@@ -511,9 +529,11 @@ class ModelRunner:
         step, args, static = self._prefill_program(inp, res, ctx_len)
         # A program the warm-up compiled runs as that executable (see `_call_decode` for why
         # not through jit); any other compiles on its first launch, as does the variant that
-        # returns prompt logprobs (never warmed up: offline scoring, not serving latency).
+        # returns prompt logprobs or top logprobs (never warmed up: offline scoring, not
+        # serving latency).
         scoring = getattr(inp, "targets", None) is not None  # SpecPrefillInputs has none: drafters refuse it
-        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring))
+        top = getattr(inp, "top_logprobs", False)
+        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring, top))
         self.state, out = compiled(*args) if compiled is not None else step(*args, **static)
         return out
 
@@ -531,7 +551,8 @@ class ModelRunner:
                 starts[i], lens[i], entries[i] = row.start, row.length, req.entry
             return steps.PrefillInputs(tokens, starts, lens, entries, *_sampling_arrays(rows, R),
                                        targets=_prompt_targets(rows, R, T),
-                                       penalties=_penalty_inputs(rows, R) if self.penalties else None)
+                                       penalties=_penalty_inputs(rows, R) if self.penalties else None,
+                                       top_logprobs=batch_top_logprobs(rows))
         from jaxoverlap.speculative.step import SpecPrefillInputs
 
         is_last = np.zeros((R,), bool)

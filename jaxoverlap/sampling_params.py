@@ -19,6 +19,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # Per output token, this many most likely tokens and their logprobs under the raw model
+    # distribution (OpenAI's top_logprobs; at most steps.TOP_LOGPROBS = 20). A program
+    # variant of its own, compiled on first use; not with speculative decoding.
+    top_logprobs: int = 0
     # Penalties on tokens the request has seen (repetition: prompt and output) or generated
     # (frequency, presence), as in vLLM and SGLang; penalties.py. Such a request prefills
     # its whole prompt (no prefix cache); speculative engines refuse them.
@@ -86,6 +90,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _finite(value) or not -2.0 <= value <= 2.0:
                 bad(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or not (
+                0 <= self.top_logprobs <= 20):
+            bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
         if (not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool)
                 or not 0 <= self.min_new_tokens <= self.max_new_tokens):
             bad(f"min_new_tokens must be an integer in [0, max_new_tokens], got {self.min_new_tokens!r}")

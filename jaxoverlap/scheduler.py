@@ -364,7 +364,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- results ------------------------------------------------------------------------------
-    def process(self, batch: ScheduledBatch, tokens, logprobs, accept_lens=None, prompt_logprobs=None) -> list[Request]:
+    def process(self, batch: ScheduledBatch, tokens, logprobs, accept_lens=None, prompt_logprobs=None,
+                top_logprobs=None) -> list[Request]:
         """Bookkeeping for a step whose small outputs have reached the host.
 
         Plain steps: tokens, logprobs have one value per row (padded rows are ignored).
@@ -376,7 +377,8 @@ class Scheduler:
 
         Prefill steps in which a row asked for its prompt's logprobs also hand over
         `prompt_logprobs`: ([R, Q] logprobs, [R, Q] argmax flags) of the token after each
-        position of each row's chunk.
+        position of each row's chunk. Plain steps in which a row asked for top logprobs hand
+        over `top_logprobs`: ([R, K] token ids, [R, K] logprobs), most likely first.
         """
         if prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, *prompt_logprobs)
@@ -384,8 +386,10 @@ class Scheduler:
         updated: list[Request] = []
         # Python ints and floats, converted once per array rather than once per element.
         tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
+        top = None if top_logprobs is None else (np.asarray(top_logprobs[0]).tolist(),
+                                                 np.asarray(top_logprobs[1], np.float64).tolist())
         if batch.kind == "decode" and accept_lens is None:
-            return self._process_plain(batch.rows, tokens, logprobs)
+            return self._process_plain(batch.rows, tokens, logprobs, top)
         accept_lens = None if accept_lens is None else np.asarray(accept_lens).tolist()
         for i, row in enumerate(batch.rows):
             req = row.req
@@ -410,6 +414,8 @@ class Scheduler:
                     self.num_verify_rows += 1
                 new = list(zip(tokens[i][:n], logprobs[i][:n]))
             reason = None
+            if top is not None and req.output_top_logprobs is not None:  # plain steps only: one token per row
+                _record_top(req, top, i)
             for tok, lp in new:
                 req.output_ids.append(tok)
                 req.output_logprobs.append(lp)
@@ -439,18 +445,20 @@ class Scheduler:
             req.prompt_logprobs[first : first + end - skip] = np.asarray(logprobs[i, skip:end], np.float64).tolist()
             req.prompt_top1[first : first + end - skip] = np.asarray(top1[i, skip:end], bool).tolist()
 
-    def _process_plain(self, rows: list[BatchRow], tokens: list, logprobs: list) -> list[Request]:
+    def _process_plain(self, rows: list[BatchRow], tokens: list, logprobs: list, top=None) -> list[Request]:
         """`process` for a plain decode step: one token per row. The same bookkeeping as
         the general loop, written out for the one case that runs on every step of every row."""
         updated: list[Request] = []
         running = Status.RUNNING
-        for row, tok, lp in zip(rows, tokens, logprobs):  # padded rows have no BatchRow: zip stops
+        for i, (row, tok, lp) in enumerate(zip(rows, tokens, logprobs)):  # padded rows have no BatchRow: zip stops
             req = row.req
             if row.epoch != req.epoch or req.status is not running:  # finished, retracted
                 continue
             req.kv_committed += 1  # the step wrote the K/V of its input token
             metrics = req.metrics
             metrics.num_steps += 1
+            if top is not None and req.output_top_logprobs is not None:
+                _record_top(req, top, i)
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
             metrics.output_tokens = len(req.output_ids)
@@ -516,3 +524,9 @@ class Scheduler:
             assert [n.page for n in req.prefix_nodes] == req.pages[: len(req.prefix_nodes)]
         self.pages.check_integrity(self.held_pages())
         self.entries.check_integrity([r.entry for r in self._admitted()])
+
+
+def _record_top(req: Request, top: tuple[list, list], i: int) -> None:
+    """Row i's most likely tokens (ids and logprobs as lists of rows), as many as it asked for."""
+    k = req.params.top_logprobs
+    req.output_top_logprobs.append(list(zip(top[0][i][:k], top[1][i][:k])))

@@ -44,17 +44,39 @@ def float_bits(x) -> jax.Array | np.ndarray:
     return jax.lax.bitcast_convert_type(x, jnp.float32)
 
 
+TOP_LOGPROBS = 20  # alternatives a step returns per row for SamplingParams.top_logprobs (the most asked for)
+
+
+def top_logprobs_of(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits [B, V] -> ([B, K] token ids, [B, K] their logprobs), the K most likely tokens
+    of the raw model distribution, most likely first."""
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), TOP_LOGPROBS)
+    return ids.astype(jnp.int32), values
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepOutput:
     """The small per-row results that travel to the host (asynchronously), packed into one
-    array (`pack_for_host`): column 0 the sampled token, column 1 its logprob's bits."""
+    array (`pack_for_host`): column 0 the sampled token, column 1 its logprob's bits, and in
+    programs for top logprobs (`has_top`, static) TOP_LOGPROBS token ids and their logprobs."""
 
-    packed: jax.Array  # [R, 2] int32
+    packed: jax.Array  # [R, 2] int32, or [R, 2 + 2K] with the top logprobs
+    has_top: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
-    def of(cls, tokens: jax.Array, logprobs: jax.Array) -> "StepOutput":
-        return cls(pack_for_host(tokens, logprobs))
+    def of(cls, tokens: jax.Array, logprobs: jax.Array, top=None) -> "StepOutput":
+        """top: None, or ([R, K] ids, [R, K] logprobs) from `top_logprobs_of`."""
+        if top is None:
+            return cls(pack_for_host(tokens, logprobs))
+        return cls(pack_for_host(tokens, logprobs, *top), has_top=True)
+
+    def top_part(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """([R, K] ids, [R, K] float32 logprobs) from the host copy of `packed`, or None."""
+        if not self.has_top:
+            return None
+        K = TOP_LOGPROBS
+        return packed[:, 2 : 2 + K], float_bits(np.ascontiguousarray(packed[:, 2 + K : 2 + 2 * K]))
 
     @property
     def tokens(self):  # [R] int32
@@ -173,7 +195,7 @@ def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling"),
+    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling", "top_logprobs"),
     donate_argnames=("state",),
 )
 def decode_step(
@@ -186,8 +208,10 @@ def decode_step(
     page_size: int,
     attention=xla_paged_attention,
     sampling: bool = True,
+    top_logprobs: bool = False,
 ):
-    """One plain decoding step for B rows: one token per row, everything read from the relay."""
+    """One plain decoding step for B rows: one token per row, everything read from the relay.
+    `top_logprobs` (static): also return each row's TOP_LOGPROBS most likely tokens."""
     entries = inputs.entries  # [B] int32, padded rows on entry 0
     req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
     relay = state.relay
@@ -216,27 +240,31 @@ def decode_step(
     relay = _write_relay(relay, entries, lens + 1, next_tokens)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 penalty=penalty)
-    return state, StepOutput.of(next_tokens, logprobs)
+    return state, StepOutput.of(next_tokens, logprobs, top_logprobs_of(logits) if top_logprobs else None)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PromptLogprobOutput(StepOutput):
-    """A prefill's results when some row asked for its prompt's logprobs: the sampled token
-    and its logprob as in StepOutput, then for each of the chunk's Q positions the logprob
-    of the prompt token that follows it, then whether that token was the argmax there."""
+    """A prefill's results when some row asked for its prompt's logprobs: the columns of a
+    StepOutput, then for each of the chunk's Q positions the logprob of the prompt token
+    that follows it, then whether that token was the argmax there."""
 
-    packed: jax.Array  # [R, 2 + 2Q] int32
+    packed: jax.Array  # [R, 2 (+ 2K) + 2Q] int32
 
     @classmethod
-    def of(cls, tokens, logprobs, target_logprobs, target_is_top1) -> "PromptLogprobOutput":
-        return cls(pack_for_host(tokens, logprobs, target_logprobs, target_is_top1.astype(jnp.int32)))
+    def of(cls, tokens, logprobs, target_logprobs, target_is_top1, top=None) -> "PromptLogprobOutput":
+        prompt = (target_logprobs, target_is_top1.astype(jnp.int32))
+        if top is None:
+            return cls(pack_for_host(tokens, logprobs, *prompt))
+        return cls(pack_for_host(tokens, logprobs, *top, *prompt), has_top=True)
 
-    @staticmethod
-    def prompt_part(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def prompt_part(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([R, Q] float32 logprobs, [R, Q] bool argmax flags) from the host copy of `packed`."""
-        Q = (packed.shape[1] - 2) // 2
-        return float_bits(np.ascontiguousarray(packed[:, 2 : 2 + Q])), packed[:, 2 + Q :].astype(bool)
+        first = 2 + (2 * TOP_LOGPROBS if self.has_top else 0)
+        Q = (packed.shape[1] - first) // 2
+        return (float_bits(np.ascontiguousarray(packed[:, first : first + Q])),
+                packed[:, first + Q :].astype(bool))
 
 
 def token_logprobs(params: ModelParams, hidden: jax.Array, targets: jax.Array, block: int = 256):
@@ -279,6 +307,8 @@ class PrefillInputs:
     # Where the engine serves penalties (DeviceState.penalty): the rows' penalty params,
     # stop tokens and min_new_tokens.
     penalties: PrefillPenaltyInputs | None = None
+    # Some row asked for top logprobs (static: a program of its own, like `targets`).
+    top_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @functools.partial(
@@ -336,6 +366,7 @@ def prefill_step(
     )
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 penalty=penalty)
+    top = top_logprobs_of(logits) if inp.top_logprobs else None
     if inp.targets is not None:  # a row asked for its prompt's logprobs (a program of its own)
-        return state, PromptLogprobOutput.of(next_tokens, logprobs, *token_logprobs(params, hidden, inp.targets))
-    return state, StepOutput.of(next_tokens, logprobs)
+        return state, PromptLogprobOutput.of(next_tokens, logprobs, *token_logprobs(params, hidden, inp.targets), top)
+    return state, StepOutput.of(next_tokens, logprobs, top)

@@ -193,6 +193,7 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--stop-token-ids", default=None, help="comma-separated stop token ids")
     _add(g, "--ignore-eos", action="store_true", default=None)
     _add(g, "--logprobs", action="store_true", default=None)
+    _add(g, "--top-logprobs", type=int, default=None)
     _add(g, "--repetition-penalty", type=float, default=None)
     _add(g, "--frequency-penalty", type=float, default=None)
     _add(g, "--presence-penalty", type=float, default=None)
@@ -236,6 +237,7 @@ def run_client(args) -> int:
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
                         stop_token_ids=_ids(args.stop_token_ids), ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                        top_logprobs=args.top_logprobs,
                         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                         presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens)
         prompt = args.prompt if token_ids is None else token_ids

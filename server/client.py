@@ -27,7 +27,7 @@ from jaxoverlap.server import jaxoverlap_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty",
-                   "frequency_penalty", "presence_penalty", "min_new_tokens")
+                   "frequency_penalty", "presence_penalty", "min_new_tokens", "top_logprobs")
 
 
 @dataclasses.dataclass
@@ -35,6 +35,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token id, most likely first
 
 
 @dataclasses.dataclass
@@ -66,6 +67,7 @@ class GenerateResult:
     logprobs: list[float] | None = None
     prompt_logprobs: list[float] | None = None  # for prompt tokens 1 .. n-1
     prompt_top1: list[bool] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, most likely first
 
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -110,7 +112,8 @@ def build_request(prompt: Prompt, request_id: str | None = None, *, chat_templat
 def parse_response(resp: pb.GenerateResponse) -> Chunk | Completion:
     if resp.WhichOneof("response") == "chunk":
         c = resp.chunk
-        return Chunk(list(c.token_ids), c.text, list(c.logprobs) or None)
+        top = [list(zip(t.token_ids, t.logprobs)) for t in c.top_logprobs]
+        return Chunk(list(c.token_ids), c.text, list(c.logprobs) or None, top or None)
     c = resp.complete
     return Completion(c.request_id, c.finish_reason, list(c.token_ids), c.usage.prompt_tokens,
                       c.usage.completion_tokens, c.usage.cached_tokens, c.accept_length, c.time_to_first_token,
@@ -119,9 +122,11 @@ def parse_response(resp: pb.GenerateResponse) -> Chunk | Completion:
 
 def _result(chunks: list[Chunk], done: Completion) -> GenerateResult:
     logprobs = [lp for c in chunks for lp in (c.logprobs or ())]
+    top = [alts for c in chunks for alts in (c.top_logprobs or ())]
     return GenerateResult(done.request_id, "".join(c.text for c in chunks), done.token_ids, done.finish_reason,
                           done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.accept_length,
-                          done.time_to_first_token, logprobs or None, done.prompt_logprobs, done.prompt_top1)
+                          done.time_to_first_token, logprobs or None, done.prompt_logprobs, done.prompt_top1,
+                          top or None)
 
 
 def _model_info(r: pb.GetModelInfoResponse) -> dict:

@@ -288,7 +288,7 @@ class EngineProcess(EngineCalls):
         self.steps += 1
         by_loop: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)
         with self._lock:
-            for rid, new_ids, new_text, finished, reason, new_logprobs, metrics, prompt in packed:
+            for rid, new_ids, new_text, finished, reason, new_logprobs, metrics, prompt, top in packed:
                 entry = self._sinks.get(rid)
                 if entry is None:
                     continue
@@ -297,7 +297,7 @@ class EngineProcess(EngineCalls):
                 if finished:
                     del self._sinks[rid], self._ids[rid]
                 out = RequestOutput(rid, new_ids, new_text, finished, reason, RequestMetrics(*metrics),
-                                    new_logprobs, ids, len(ids))
+                                    new_logprobs, ids, len(ids), new_top_logprobs=top)
                 if prompt is not None:
                     out.prompt_logprobs, out.prompt_top1 = prompt
                 by_loop[entry[0]].append((entry[1], out))
@@ -342,7 +342,7 @@ def _pack(out: RequestOutput) -> tuple:
     m = out.metrics
     prompt = (out.prompt_logprobs, out.prompt_top1) if out.prompt_logprobs is not None else None
     return (out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.new_logprobs,
-            tuple(getattr(m, f) for f in _METRIC_FIELDS), prompt)
+            tuple(getattr(m, f) for f in _METRIC_FIELDS), prompt, out.new_top_logprobs)
 
 
 # ---- the child process ----------------------------------------------------------------------

@@ -44,7 +44,7 @@ INLINE_TOKENIZE_MAX_CHARS = 2048
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 _SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
                      "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty", "min_new_tokens")
+                     "presence_penalty", "min_new_tokens", "top_logprobs")
 
 
 # ---- request decoding ---------------------------------------------------------------------------
@@ -381,6 +381,7 @@ class GenerationServicer:
                 tokens: list[int] = []
                 texts: list[str] = []
                 logprobs: list[float] = []
+                top: list[pb.TopLogprobs] = []
                 final = None
                 for out in items:
                     if isinstance(out, BaseException):
@@ -393,12 +394,16 @@ class GenerationServicer:
                         texts.append(text)
                     if out.new_logprobs:
                         logprobs.extend(out.new_logprobs)
+                    if out.new_top_logprobs:
+                        top.extend(pb.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
+                                   for alts in out.new_top_logprobs)
                     if out.finished:
                         final = out
                 if tokens or texts:
                     if self.metrics is not None:
                         self.metrics.generated_tokens.inc(len(tokens))
-                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=tokens, text="".join(texts), logprobs=logprobs))
+                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=tokens, text="".join(texts), logprobs=logprobs,
+                                                             top_logprobs=top))
                 if final is not None:
                     done = True
                     self._record_finish(final, time.perf_counter() - t0)

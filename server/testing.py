@@ -206,6 +206,8 @@ class FakeEngine:
             finish_reason=reason,
             metrics=dataclasses.replace(req.metrics),
             new_logprobs=[-1.0] * len(new) if getattr(req.params, "logprobs", False) else None,
+            new_top_logprobs=([[(t, -1.0)] * req.params.top_logprobs for t in new]
+                              if getattr(req.params, "top_logprobs", 0) else None),
             _output_ids=list(req.output),
             _num_tokens=len(req.output),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from jaxoverlap import LLM, SamplingParams
@@ -33,7 +34,8 @@ def read_records(path) -> list[dict]:
 GOOD = [
     {"id": "story", "prompt": "Once upon a time", "metadata": {"answer": [1, 2]}},
     {"prompt_token_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0.9, "seed": 7, "max_new_tokens": 9}},
-    {"id": 30, "prompt": "The little dog", "sampling_params": {"logprobs": True}},
+    {"id": 30, "prompt": "The little dog", "sampling_params": {"logprobs": True, "top_logprobs": 2,
+                                                               "repetition_penalty": 1.3}},
     {"id": "30", "prompt": "The little dog"},  # "30" and 30 are different ids
 ]
 BAD = [  # (line, id of its error result, what the error says)
@@ -75,6 +77,12 @@ def test_results_equal_generate_and_bad_lines_get_errors(llm, tmp_path):
         assert r["finish_reason"] == "length" and r["output_tokens"] == len(want.token_ids)
         assert r["prompt_tokens"] == len(want.prompt_token_ids)
         assert ("logprobs" in r) == bool(line.get("sampling_params", {}).get("logprobs"))
+        if want.top_logprobs is None:
+            assert "top_logprobs" not in r
+        else:  # other batch sizes than generate's: the same ids, logprobs within float rounding
+            assert [[t for t, _ in alts] for alts in r["top_logprobs"]] == [[t for t, _ in a] for a in want.top_logprobs]
+            np.testing.assert_allclose([[lp for _, lp in alts] for alts in r["top_logprobs"]],
+                                       [[lp for _, lp in a] for a in want.top_logprobs], atol=1e-4)
         assert r.get("metadata") == line.get("metadata")
     assert results['"30"']["token_ids"] == results["30"]["token_ids"]
     assert summary.output_tokens == sum(r["output_tokens"] for r in results.values())

@@ -173,6 +173,20 @@ def test_penalties(env):
     _wait_idle(env)
 
 
+def test_top_logprobs(env):
+    """Per output token, the k most likely tokens through the server (and across the engine
+    process's pipe): greedy tokens are each list's first, with the chosen token's logprob."""
+    client, vocab = env["client"], env["info"]["vocab_size"]
+    r = client.generate_text(_ids(9, vocab, 4), max_new_tokens=7, temperature=0.0, ignore_eos=True, logprobs=True,
+                             top_logprobs=3)
+    assert len(r.top_logprobs) == len(r.token_ids) == 7
+    for tok, lp, alts in zip(r.token_ids, r.logprobs, r.top_logprobs):
+        assert len(alts) == 3 and alts[0][0] == tok and alts[0][1] == pytest.approx(lp, abs=1e-5)
+        assert alts[0][1] >= alts[1][1] >= alts[2][1]
+    assert client.generate_text([5, 6, 7], max_new_tokens=2).top_logprobs is None
+    _wait_idle(env)
+
+
 def test_model_and_server_info(env):
     client = env["client"]
     m = env["info"]
@@ -223,6 +237,7 @@ BAD = [
     ("empty stop string", "hi", {"stop": [""]}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     ("frequency penalty out of range", "hi", {"frequency_penalty": 3.0}, grpc.StatusCode.INVALID_ARGUMENT,
      "frequency_penalty"),
+    ("top_logprobs above 20", "hi", {"top_logprobs": 21}, grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs"),
     ("prompt ids too long", list(range(3, 303)), {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
     ("prompt text too long", "word " * 600, {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
 ]

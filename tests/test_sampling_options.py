@@ -1,7 +1,8 @@
-"""Repetition, frequency and presence penalties and min_new_tokens (penalties.py): the
-engine's tokens equal a dense forward's with the rules applied on the host, greedy and
-seeded, over chunked prompts, with overlap on and off, after a retraction, and next to a
-prefix cache that holds the same prompt."""
+"""Repetition, frequency and presence penalties and min_new_tokens (penalties.py), and
+top_logprobs: the engine's tokens equal a dense forward's with the rules applied on the
+host, greedy and seeded, over chunked prompts, with overlap on and off, after a retraction,
+and next to a prefix cache that holds the same prompt; the top logprobs equal the dense
+forward's."""
 from __future__ import annotations
 
 import collections
@@ -182,3 +183,40 @@ def test_penalty_params_are_checked_and_refused_where_not_served():
     spec = make_engine(speculative_algorithm="ngram")
     with pytest.raises(InvalidRequestError, match="speculative decoding"):
         spec.add_request("a", [1, 2, 3], SamplingParams(repetition_penalty=1.2))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_top_logprobs_match_a_dense_forward(overlap):
+    """top_logprobs: per output token (the prefill's first), the k most likely tokens of the
+    raw distribution and their logprobs, as a dense forward gives them; next to a request
+    that asks for none, and for a penalized request too (the list stays the raw model's)."""
+    import jax
+
+    prompt = _prompt(2, 19)
+    top = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, top_logprobs=5)
+    pen = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, top_logprobs=3, repetition_penalty=2.0)
+    eng = make_engine(disable_overlap=not overlap, chunked_prefill_size=8)
+    arrivals = {0: [("top", prompt, top), ("plain", prompt, CASES["plain"])], 3: [("pen", prompt, pen)]}
+    lists, finals, it = {"top": [], "pen": [], "plain": []}, {}, 0
+    while it <= max(arrivals) or eng.has_work():
+        for rid, p, params in arrivals.get(it, []):
+            eng.add_request(rid, p, params)
+        for o in eng.step():
+            if o.new_top_logprobs is not None:
+                lists[o.request_id].extend(o.new_top_logprobs)
+            if o.finished:
+                finals[o.request_id] = o
+        it += 1
+    assert lists["plain"] == []
+    assert finals["pen"].token_ids != finals["top"].token_ids  # the penalty chose other tokens
+    cfg = tiny_config()
+    for rid, k in (("top", 5), ("pen", 3)):
+        seq = list(prompt)
+        assert len(lists[rid]) == 6
+        for tok, alts in zip(finals[rid].token_ids, lists[rid]):
+            logsm = np.asarray(jax.nn.log_softmax(dense_logits(tiny_params(cfg), cfg, jnp.asarray(seq, jnp.int32))[-1]))
+            want = np.argsort(-logsm)[:k]
+            assert [t for t, _ in alts] == want.tolist(), rid
+            np.testing.assert_allclose([lp for _, lp in alts], logsm[want], atol=1e-5)
+            seq.append(tok)
+    assert_drained(eng)
