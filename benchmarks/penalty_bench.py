@@ -9,7 +9,11 @@ Per batch size:
   workloads   the engine's own loop, overlap on, over B requests of 128 random prompt
               tokens and --new-tokens out: greedy, sampled (temperature 0.8, top-k 50),
               sampled with penalties, greedy with penalties (which runs the sampling
-              program); median step period and host time per decode step.
+              program); median step period and host time per decode step;
+  off         the greedy workload on a second engine over the same weights with
+              enable_penalties=False (no history in the state: three fewer arguments per
+              launch), in turn with the first (on, off, off, on): what serving penalties
+              costs requests that use none.
 
     python benchmarks/penalty_bench.py --batches 1 32 --out penalty.json
     python benchmarks/penalty_bench.py --tiny --batches 2 --new-tokens 8   # CPU smoke run
@@ -98,11 +102,14 @@ def main():
     from jaxoverlap.engine import Engine
 
     max_b = max(args.batches)
-    engine = Engine(EngineConfig(
+    config = EngineConfig(
         model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy", dtype="bfloat16",
         max_running_requests=max_b, max_context_len=1024, kv_cache_tokens=max_b * 1024, page_size=16,
         batch_buckets=tuple(sorted(args.batches)), disable_prefix_cache=True,
-    ))
+    )
+    engine = Engine(config)
+    off = Engine(dataclasses.replace(config, enable_penalties=False), model_config=engine.model_config,
+                 params=engine.runner.params, tokenizer=engine.tokenizer)
     rows = []
     for B in args.batches:
         row = {"batch": B}
@@ -116,6 +123,15 @@ def main():
             for k, v in run(engine, B, args.new_tokens, params, seed=100 + i).items():
                 row[f"{name}_{k}"] = v
         row["penalties_over_sampled"] = row["sampled_penalties_period_ms"] / row["sampled_period_ms"]
+        run(off, B, 4, WORKLOADS["greedy"], seed=1)  # compile
+        pairs = {"on": [], "off": []}
+        for i, name in enumerate(("on", "off", "off", "on")):
+            pairs[name].append(run(engine if name == "on" else off, B, args.new_tokens, WORKLOADS["greedy"],
+                                   seed=200 + i))
+        for name, runs in pairs.items():
+            for k in ("period_ms", "host_ms", "launch_ms"):
+                row[f"greedy_{name}_{k}"] = sum(r[k] for r in runs) / len(runs)
+        row["launch_on_over_off"] = row["greedy_on_launch_ms"] / row["greedy_off_launch_ms"]
         rows.append(row)
         print_table([row], list(row))
     write_results(args.out, args, rows)

@@ -124,6 +124,7 @@ def test_penalty_bench(tmp_path):
     for name in ("greedy", "sampled", "sampled_penalties", "greedy_penalties"):
         assert row[f"{name}_period_ms"] > 0 and row[f"{name}_launch_ms"] > 0, name
     assert row["device_sampling_ms"] > 0 and row["device_sampling_no_history_ms"] > 0
+    assert row["greedy_on_launch_ms"] > 0 and row["greedy_off_launch_ms"] > 0
 
 
 def test_prefill_ctx_bench(tmp_path):
