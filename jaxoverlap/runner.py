@@ -280,8 +280,8 @@ class ModelRunner:
 
     def _decode_rows(self, batch: ScheduledBatch, B: int):
         """(packed inputs without reservations, (whether any row samples, whether any wants
-        top logprobs)) of a decode batch:
-        the entries [B] followed by an empty reservations table (steps.DecodeInputs). The
+        top logprobs)) of a decode batch: the entries [B] followed by an empty reservations
+        table (steps.DecodeInputs). The
         scheduler hands out the same rows list while its running set is unchanged, and a
         row's entry and sampling params do not change while it runs, so both are built once
         per set. The array is never written after it is built."""

@@ -61,6 +61,9 @@ def test_tp_greedy_matches_single_device():
     one, two = out["prompt-logprobs-1"], out["prompt-logprobs-2"]
     assert len(one["logprobs"]) == 36 and one["top1"] == two["top1"]
     assert len(one["penalized"]) == 16 and one["penalized"] == two["penalized"]
+    assert len(one["top"]) == 16 and [[t for t, _ in a] for a in one["top"]] == [[t for t, _ in a] for a in two["top"]]
+    np.testing.assert_allclose([[lp for _, lp in a] for a in two["top"]], [[lp for _, lp in a] for a in one["top"]],
+                               atol=1e-4)
     np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-4)
     for backend in ("xla", "pallas"):
         hlo = out[f"hlo-{backend}"]

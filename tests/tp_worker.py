@@ -147,17 +147,24 @@ def main():
                      "decode_executables": len(eng.runner._executables)}
     seconds["warm-2"] = round(time.perf_counter() - t0, 1)
     # Prompt logprobs: the LM head over the sharded vocabulary, a block of positions at a
-    # time; and penalties, whose history the mesh replicates.
+    # time; penalties, whose history the mesh replicates; top logprobs over the logits.
     t0 = time.perf_counter()
     score = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
     penalized = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5,
-                               frequency_penalty=1.0)
+                               frequency_penalty=1.0, top_logprobs=3)
     prompt = [(5 * j) % 90 + 1 for j in range(37)]
     for tp in (1, 2):
         eng = make_engine(cfg, tensor_parallel_size=tp, **xla)
-        finals = run_workload(eng, {0: [("s", prompt, score), ("p", prompt, penalized)]})
+        eng.add_request("s", prompt, score)
+        eng.add_request("p", prompt, penalized)
+        finals, top = {}, []
+        while eng.has_work():
+            for o in eng.step():
+                top.extend(o.new_top_logprobs or [])
+                if o.finished:
+                    finals[o.request_id] = o
         out[f"prompt-logprobs-{tp}"] = {"logprobs": finals["s"].prompt_logprobs[1:], "top1": finals["s"].prompt_top1[1:],
-                                        "penalized": finals["p"].token_ids}
+                                        "penalized": finals["p"].token_ids, "top": top}
     seconds["prompt-logprobs"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     out["fallback_attention_error"] = fallback_attention_error()
