@@ -29,13 +29,20 @@ def penalized(logits: np.ndarray, prompt, output, rep: float, freq: float, pres:
     return out
 
 
+def next_logits(seq) -> np.ndarray:
+    """The dense forward's logits after `seq`, computed over `seq` padded to 128 tokens: the
+    causal mask keeps the padding out, and one shape compiles once for every length."""
+    cfg = tiny_config()
+    padded = jnp.asarray(list(seq) + [0] * (128 - len(seq)), jnp.int32)
+    return np.asarray(dense_logits(tiny_params(cfg), cfg, padded)[len(seq) - 1])
+
+
 def reference(prompt, params: SamplingParams, seed: int = 0) -> list[int]:
     """Greedy or seeded tokens of a dense forward with the rules applied on the host (the
     tiny model has no EOS: stop_token_ids are the stop tokens)."""
-    cfg = tiny_config()
     seq, out = list(prompt), []
     while len(out) < params.max_new_tokens and not (out and out[-1] in params.stop_token_ids):
-        logits = np.asarray(dense_logits(tiny_params(cfg), cfg, jnp.asarray(seq, jnp.int32))[-1])
+        logits = next_logits(seq)
         logits = penalized(logits, prompt, out, params.repetition_penalty, params.frequency_penalty,
                            params.presence_penalty)
         if len(out) < params.min_new_tokens:
@@ -92,10 +99,10 @@ def test_penalties_match_a_dense_reference(overlap):
 
 
 def test_penalized_requests_survive_retraction():
-    """A cache of 96 tokens for four requests that grow to 44 each forces retractions; a
+    """A cache of 96 tokens for four requests that grow to 36 each forces retractions; a
     retracted request prefills its output again, which must count as generated."""
     prompts = [_prompt(i, 12) for i in range(4)]
-    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, frequency_penalty=0.7,
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=0.7,
                             presence_penalty=0.3, repetition_penalty=1.2)
     outs, retractions = [], []
     for kv in (96, 512):
@@ -209,12 +216,11 @@ def test_top_logprobs_match_a_dense_forward(overlap):
         it += 1
     assert lists["plain"] == []
     assert finals["pen"].token_ids != finals["top"].token_ids  # the penalty chose other tokens
-    cfg = tiny_config()
     for rid, k in (("top", 5), ("pen", 3)):
         seq = list(prompt)
         assert len(lists[rid]) == 6
         for tok, alts in zip(finals[rid].token_ids, lists[rid]):
-            logsm = np.asarray(jax.nn.log_softmax(dense_logits(tiny_params(cfg), cfg, jnp.asarray(seq, jnp.int32))[-1]))
+            logsm = np.asarray(jax.nn.log_softmax(next_logits(seq)))
             want = np.argsort(-logsm)[:k]
             assert [t for t, _ in alts] == want.tolist(), rid
             np.testing.assert_allclose([lp for _, lp in alts], logsm[want], atol=1e-5)
