@@ -196,15 +196,18 @@ def test_penalty_params_are_checked_and_refused_where_not_served():
 def test_top_logprobs_match_a_dense_forward(overlap):
     """top_logprobs: per output token (the prefill's first), the k most likely tokens of the
     raw distribution and their logprobs, as a dense forward gives them; next to a request
-    that asks for none, and for a penalized request too (the list stays the raw model's)."""
+    that asks for none, for a penalized request (the list stays the raw model's), and for
+    one that also scores its prompt (both in one prefill program's output)."""
     import jax
 
     prompt = _prompt(2, 19)
     top = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, top_logprobs=5)
     pen = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, top_logprobs=3, repetition_penalty=2.0)
+    both = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, top_logprobs=2, prompt_logprobs=True)
     eng = make_engine(disable_overlap=not overlap, chunked_prefill_size=8)
-    arrivals = {0: [("top", prompt, top), ("plain", prompt, CASES["plain"])], 3: [("pen", prompt, pen)]}
-    lists, finals, it = {"top": [], "pen": [], "plain": []}, {}, 0
+    arrivals = {0: [("top", prompt, top), ("plain", prompt, CASES["plain"])],
+                3: [("pen", prompt, pen), ("both", prompt, both)]}
+    lists, finals, it = {"top": [], "pen": [], "plain": [], "both": []}, {}, 0
     while it <= max(arrivals) or eng.has_work():
         for rid, p, params in arrivals.get(it, []):
             eng.add_request(rid, p, params)
@@ -216,7 +219,11 @@ def test_top_logprobs_match_a_dense_forward(overlap):
         it += 1
     assert lists["plain"] == []
     assert finals["pen"].token_ids != finals["top"].token_ids  # the penalty chose other tokens
-    for rid, k in (("top", 5), ("pen", 3)):
+    assert finals["both"].token_ids == finals["top"].token_ids
+    full = np.asarray(jax.nn.log_softmax(dense_logits(tiny_params(tiny_config()), tiny_config(),
+                                                      jnp.asarray(prompt, jnp.int32)), axis=-1))
+    np.testing.assert_allclose(finals["both"].prompt_logprobs[1:], full[np.arange(18), prompt[1:]], atol=1e-4)
+    for rid, k in (("top", 5), ("pen", 3), ("both", 2)):
         seq = list(prompt)
         assert len(lists[rid]) == 6
         for tok, alts in zip(finals[rid].token_ids, lists[rid]):
