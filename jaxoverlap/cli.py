@@ -51,7 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="leave Python's garbage collector alone (default: gc.freeze() once the engine is built)")
     g.add_argument("--disable-penalties", dest="enable_penalties", action="store_false",
-                   help="refuse repetition/frequency/presence penalties and min_new_tokens, and keep no "
+                   help="refuse repetition/frequency/presence penalties, logit_bias and min_new_tokens, and keep no "
                         "per-request token history on the device ([max running + 1, vocab] int32)")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding (SGLang's flag names)")
@@ -91,6 +91,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="subtract this times the count of each token generated so far (-2..2)")
     g.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from each token generated so far (-2..2)")
+    g.add_argument("--logit-bias", type=json.loads, default=None,
+                   help='JSON object {token id: bias (-100..100)} added to those logits, e.g. \'{"151643": -100}\'')
     g.add_argument("--min-new-tokens", type=int, default=0,
                    help="no EOS or stop token id among the first this many output tokens")
     g.add_argument("--prompt-logprobs", action="store_true",
@@ -105,7 +107,7 @@ def sampling_params(args: argparse.Namespace):
         min_p=args.min_p, seed=args.sampling_seed, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos, logprobs=args.logprobs, top_logprobs=args.top_logprobs,
         prompt_logprobs=args.prompt_logprobs, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens,
+        presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens, logit_bias=args.logit_bias or (),
     )
 
 

@@ -61,8 +61,8 @@ class EngineConfig:
     # a full collection no longer stalls a step (117 ms measured inside one launch).
     freeze_gc: bool = True
     max_queued_requests: int = 4096
-    # Serve SamplingParams.repetition_penalty / frequency_penalty / presence_penalty and
-    # min_new_tokens: keeps a [max_running_requests + 1, vocab] int32 history on the device
+    # Serve SamplingParams.repetition_penalty / frequency_penalty / presence_penalty,
+    # logit_bias and min_new_tokens: keeps a [max_running_requests + 1, vocab] int32 history on the device
     # (Qwen3-8B, 64 running: 40 MB), read and written by sampling programs only
     # (penalties.py). Off: such requests are refused. Engines with a drafter never serve them.
     enable_penalties: bool = True

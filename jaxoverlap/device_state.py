@@ -11,7 +11,7 @@
 | relay.last_token | [E] | draft model: prefill and each step | the next step's first draft pass |
 | draft_k_cache, draft_v_cache | [Ld, S, KVHd, HDd] | the drafter (EAGLE head or draft model) | the drafter |
 | slot_tokens | [S] | ngram_device: prefill and each step | the next step's n-gram lookup |
-| penalty.history, params, min_end | [E, V], [E, 3], [E] | sampling programs (penalties.py) | sampling programs |
+| penalty.history, params, min_end, bias_* | [E, V], [E, 3], [E], [E, 64] | sampling programs (penalties.py) | sampling programs |
 
 The speculative relay fields exist in every engine (zero-width when unused) so the relay
 has one layout; the drafter's caches and `slot_tokens` are None without a drafter that
@@ -60,7 +60,8 @@ class DeviceState:
     # [S] int32 the token whose K/V each slot holds (ngram_device). Kept per slot, not per
     # entry, so a cached prefix brings its tokens along with its pages.
     slot_tokens: jax.Array | None = None
-    # Penalties and min_new_tokens: per entry, the tokens seen, generated and stopping.
+    # Penalties, logit_bias and min_new_tokens: per entry, the tokens seen, generated and
+    # stopping, and the bias.
     penalty: PenaltyState | None = None
 
 

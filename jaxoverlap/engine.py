@@ -370,8 +370,10 @@ class Engine:
         if params is not None and params.uses_history and not self.serves_penalties:
             why = ("speculative decoding" if self.config.speculative_algorithm
                    else "an engine started with enable_penalties=False")
-            raise InvalidRequestError("repetition_penalty, frequency_penalty, presence_penalty and min_new_tokens "
-                                      f"are not available with {why}")
+            raise InvalidRequestError("repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens and "
+                                      f"logit_bias are not available with {why}")
+        if params is not None and any(t >= self.model_config.vocab_size for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary ({self.model_config.vocab_size})")
         if params is not None and params.min_new_tokens:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if len(stops) > penalties.MAX_STOP_IDS:

@@ -1,10 +1,12 @@
-"""Repetition, frequency and presence penalties and min_new_tokens, applied on the device.
+"""Repetition, frequency and presence penalties, logit_bias and min_new_tokens, applied on
+the device.
 
 Semantics as in vLLM and SGLang (and OpenAI's API for the two penalties), per request:
   repetition_penalty r (> 0, 1 = off): a token that occurs in the prompt or the output so
       far has its logit divided by r where positive, multiplied by r where negative;
   frequency_penalty f (-2..2, 0 = off): f x (times the token was generated) is subtracted;
   presence_penalty p (-2..2, 0 = off): p is subtracted from every token generated before;
+  logit_bias {token: b} (OpenAI's): b (-100..100) is added to the token's logit;
   min_new_tokens m (0 = off): the request's stop tokens (EOS unless ignore_eos, and its
       stop_token_ids) cannot be chosen for its first m output tokens.
 They shape which token is chosen (greedy or sampled); reported logprobs stay those of the
@@ -22,7 +24,7 @@ cache (Scheduler._admit); min_new_tokens alone needs only the stop marks and may
 
 Only sampling programs (static `sampling=True`) read or write the history: the host routes
 every batch with such a row to one (runner.batch_samples), and prefill programs always
-sample. Rows without rules (NEUTRAL params, min_end 0) pass through `apply` unchanged,
+sample. Rows without rules (NEUTRAL params, min_end 0, no bias) pass through `apply` unchanged,
 whatever their entry's row holds.
 """
 from __future__ import annotations
@@ -31,6 +33,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from jaxoverlap.sampling_params import MAX_LOGIT_BIAS
 
 SEEN = 1 << 24  # history bit: the token occurs in the prompt or the output
 COUNT = SEEN - 1  # history bits 0-23: how many times the request generated the token
@@ -45,6 +49,8 @@ class PenaltyState:
     history: jax.Array  # [E, V] int32: per entry and token, STOP | SEEN | times generated
     params: jax.Array  # [E, 3] float32: repetition, frequency, presence
     min_end: jax.Array  # [E] int32: stop tokens are banned at positions before this one
+    bias_ids: jax.Array  # [E, MAX_LOGIT_BIAS] int32: logit_bias tokens, -1 past them
+    bias_values: jax.Array  # [E, MAX_LOGIT_BIAS] float32: their biases (0 past them)
 
 
 @jax.tree_util.register_dataclass
@@ -57,6 +63,8 @@ class PrefillPenaltyInputs:
     first: jax.Array  # [R] bool: the row's first chunk since admission (clears the entry's row)
     stop_ids: jax.Array  # [R, MAX_STOP_IDS] int32: the request's stop tokens, -1 past them
     min_end: jax.Array  # [R] int32: prompt length + min_new_tokens
+    bias_ids: jax.Array  # [R, MAX_LOGIT_BIAS] int32: logit_bias tokens, -1 past them
+    bias_values: jax.Array  # [R, MAX_LOGIT_BIAS] float32
 
 
 def init_penalty_state(num_entries: int, vocab_size: int) -> PenaltyState:
@@ -64,29 +72,36 @@ def init_penalty_state(num_entries: int, vocab_size: int) -> PenaltyState:
         history=jnp.zeros((num_entries, vocab_size), jnp.int32),
         params=jnp.tile(jnp.asarray(NEUTRAL, jnp.float32), (num_entries, 1)),  # [3] -> [E, 3]
         min_end=jnp.zeros((num_entries,), jnp.int32),
+        bias_ids=jnp.full((num_entries, MAX_LOGIT_BIAS), -1, jnp.int32),
+        bias_values=jnp.zeros((num_entries, MAX_LOGIT_BIAS), jnp.float32),
     )
 
 
 def state_bytes(num_entries: int, vocab_size: int) -> int:
-    return num_entries * (vocab_size + 4) * 4
+    return num_entries * (vocab_size + 4 + 2 * MAX_LOGIT_BIAS) * 4
 
 
 def apply(logits: jax.Array, positions: jax.Array, history: jax.Array, params: jax.Array,
-          min_end: jax.Array) -> jax.Array:
+          min_end: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
     """logits [B, V] float32 of the tokens to be placed at positions [B]; history [B, V],
-    params [B, 3] and min_end [B] of the rows' entries."""
+    params [B, 3], min_end [B], bias_ids and bias_values [B, K] of the rows' entries."""
     rep, freq, pres = params[:, 0:1], params[:, 1:2], params[:, 2:3]  # [B, 1] each
     seen = (history & SEEN) != 0
     counts = history & COUNT
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - freq * counts.astype(logits.dtype) - pres * (counts > 0).astype(logits.dtype)
+    # A row's bias ids are distinct; its unused slots add 0 to token 0.
+    rows = jnp.arange(logits.shape[0])[:, None]  # [B, 1]
+    logits = logits.at[rows, jnp.maximum(bias_ids, 0)].add(jnp.where(bias_ids >= 0, bias_values, 0.0))
     banned = ((history & STOP) != 0) & (positions < min_end)[:, None]
     return jnp.where(banned, -jnp.inf, logits)
 
 
 def rows(pen: PenaltyState, entries: jax.Array) -> tuple:
-    """The entries' (history, params, min_end): what `apply` takes after the logits and positions."""
-    return pen.history[entries], pen.params[entries], pen.min_end[entries]
+    """The entries' (history, params, min_end, bias_ids, bias_values): what `apply` takes
+    after the logits and positions."""
+    return (pen.history[entries], pen.params[entries], pen.min_end[entries], pen.bias_ids[entries],
+            pen.bias_values[entries])
 
 
 def record_generated(pen: PenaltyState, entries: jax.Array, tokens: jax.Array) -> PenaltyState:
@@ -117,4 +132,6 @@ def record_prefill(pen: PenaltyState, entries, tokens, starts, chunk_lens, inp: 
     history = history.at[rows, tokens].add(generated.astype(jnp.int32))
     history = history.at[rows, tokens].set(history[rows, tokens] | SEEN)
     return PenaltyState(history=history, params=pen.params.at[entries].set(inp.params),
-                        min_end=pen.min_end.at[entries].set(inp.min_end))
+                        min_end=pen.min_end.at[entries].set(inp.min_end),
+                        bias_ids=pen.bias_ids.at[entries].set(inp.bias_ids),
+                        bias_values=pen.bias_values.at[entries].set(inp.bias_values))

@@ -24,6 +24,7 @@ from jaxoverlap.device_state import DeviceState
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, layers_per_stack
 from jaxoverlap.penalties import MAX_STOP_IDS, NEUTRAL, PrefillPenaltyInputs
+from jaxoverlap.sampling_params import MAX_LOGIT_BIAS
 from jaxoverlap.scheduler import ScheduledBatch
 
 
@@ -86,13 +87,15 @@ def _sampling_arrays(rows, num_rows: int):
 
 
 def _penalty_inputs(rows, R: int) -> PrefillPenaltyInputs:
-    """The rows' penalty params, prompt lengths, stop tokens and min_new_tokens ends, padded
-    to R rows (penalties.py)."""
+    """The rows' penalty params, prompt lengths, stop tokens, min_new_tokens ends and logit
+    biases, padded to R rows (penalties.py)."""
     params = np.tile(np.asarray(NEUTRAL, np.float32), (R, 1))  # [3] -> [R, 3]
     prompt_lens = np.zeros((R,), np.int32)
     first = np.zeros((R,), bool)
     stop_ids = np.full((R, MAX_STOP_IDS), -1, np.int32)
     min_end = np.zeros((R,), np.int32)
+    bias_ids = np.full((R, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_values = np.zeros((R, MAX_LOGIT_BIAS), np.float32)
     for i, row in enumerate(rows):
         req, p = row.req, row.req.params
         params[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
@@ -102,7 +105,10 @@ def _penalty_inputs(rows, R: int) -> PrefillPenaltyInputs:
             ids = sorted(req.stop_ids)
             stop_ids[i, : len(ids)] = ids
             min_end[i] = len(req.prompt_ids) + p.min_new_tokens
-    return PrefillPenaltyInputs(params, prompt_lens, first, stop_ids, min_end)
+        if p.logit_bias:  # distinct ids, at most MAX_LOGIT_BIAS (SamplingParams), inside the vocabulary (Engine)
+            ids, values = zip(*p.logit_bias)
+            bias_ids[i, : len(ids)], bias_values[i, : len(ids)] = ids, values
+    return PrefillPenaltyInputs(params, prompt_lens, first, stop_ids, min_end, bias_ids, bias_values)
 
 
 def _prompt_targets(rows, R: int, T: int) -> np.ndarray | None:

@@ -45,8 +45,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampli
     a conditional's predicate back to the host, which blocks the dispatch of the step until
     the device has caught up: exactly the wait the overlap loop exists to avoid.)
 
-    `penalties`: None, or the rows' (history [B, V], params [B, 3], min_end [B]) of
-    `penalties.py`; the token is chosen from the logits those rules give, greedy rows too.
+    `penalties`: None, or the rows' state from `penalties.rows` (history, params, min_end,
+    logit bias); the token is chosen from the logits those rules give, greedy rows too.
 
     Returns (tokens [B] int32, logprobs [B] float32 of the chosen tokens under the raw model
     distribution).

@@ -6,6 +6,8 @@ import math
 
 from jaxoverlap.errors import InvalidRequestError
 
+MAX_LOGIT_BIAS = 64  # tokens one request's logit_bias may name (a fixed-width row on the device: penalties.py)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -33,6 +35,11 @@ class SamplingParams:
     # tokens: they are masked on the device (vLLM's min_tokens, SGLang's min_new_tokens).
     # Stop strings still apply.
     min_new_tokens: int = 0
+    # Added to the logits of these token ids before the token is chosen (OpenAI's
+    # logit_bias; -100 bans a token, +100 all but forces it). A dict {token id: bias} (JSON
+    # string keys accepted), stored as sorted (id, bias) pairs; at most MAX_LOGIT_BIAS of
+    # them. Kept with the penalties' history on the device.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # The logprob of each prompt token under the model, and whether it was the model's top
     # choice there: loglikelihood scoring (multiple-choice evaluations). From prompt
     # position `prompt_logprobs_start` on (earlier positions stay None; position 0 has no
@@ -53,6 +60,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self.validate()
 
     @property
@@ -66,7 +74,7 @@ class SamplingParams:
     @property
     def uses_history(self) -> bool:
         """Whether the device's per-request token history serves this request (penalties.py)."""
-        return self.has_penalties or self.min_new_tokens > 0
+        return self.has_penalties or self.min_new_tokens > 0 or bool(self.logit_bias)
 
     def validate(self) -> None:
         def bad(msg: str):
@@ -96,6 +104,11 @@ class SamplingParams:
         if (not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool)
                 or not 0 <= self.min_new_tokens <= self.max_new_tokens):
             bad(f"min_new_tokens must be an integer in [0, max_new_tokens], got {self.min_new_tokens!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not _finite(bias) or not -100.0 <= bias <= 100.0:
+                bad(f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got {tok}: {bias!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 bad(f"stop strings must be non-empty strings, got {s!r}")
@@ -111,3 +124,15 @@ class SamplingParams:
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a dict (keys may be JSON strings) or pairs."""
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = {int(tok): bias for tok, bias in items}
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(f"invalid sampling params: logit_bias must map token ids to numbers: {e}") from None
+    return tuple(sorted(pairs.items()))

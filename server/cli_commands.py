@@ -198,6 +198,7 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--frequency-penalty", type=float, default=None)
     _add(g, "--presence-penalty", type=float, default=None)
     _add(g, "--min-new-tokens", type=int, default=None)
+    _add(g, "--logit-bias", type=json.loads, default=None, help='JSON object {token id: bias}, e.g. \'{"5": -100}\'')
     g = parser.add_argument_group("other calls (instead of generating)")
     _add(g, "--info", action="store_true", help="print model and server info as JSON")
     _add(g, "--health", action="store_true", help="print the health status")
@@ -239,7 +240,8 @@ def run_client(args) -> int:
                         stop_token_ids=_ids(args.stop_token_ids), ignore_eos=args.ignore_eos, logprobs=args.logprobs,
                         top_logprobs=args.top_logprobs,
                         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                        presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens)
+                        presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens,
+                        logit_bias=args.logit_bias)
         prompt = args.prompt if token_ids is None else token_ids
         if args.chat:
             if token_ids is not None:

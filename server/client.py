@@ -27,7 +27,7 @@ from jaxoverlap.server import jaxoverlap_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty",
-                   "frequency_penalty", "presence_penalty", "min_new_tokens", "top_logprobs")
+                   "frequency_penalty", "presence_penalty", "min_new_tokens", "top_logprobs", "logit_bias")
 
 
 @dataclasses.dataclass
@@ -89,6 +89,8 @@ def build_request(prompt: Prompt, request_id: str | None = None, *, chat_templat
             sp.stop.extend([value] if isinstance(value, str) else list(value))
         elif name == "stop_token_ids":
             sp.stop_token_ids.extend(int(t) for t in value)
+        elif name == "logit_bias":  # {token id: bias}; JSON's string keys too
+            sp.logit_bias.update({int(t): float(b) for t, b in value.items()})
         else:
             setattr(sp, name, value)
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=sp)

@@ -115,6 +115,8 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         kw["stop"] = tuple(sp.stop)
     if sp.stop_token_ids:
         kw["stop_token_ids"] = tuple(sp.stop_token_ids)
+    if sp.logit_bias:
+        kw["logit_bias"] = dict(sp.logit_bias)
     return SamplingParams(**kw)
 
 

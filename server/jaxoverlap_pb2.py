@@ -25,45 +25,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ejaxoverlap/v1/jaxoverlap.proto\x12\rjaxoverlap.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc0\x05\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\"\n\x15prompt_logprobs_start\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x10 \x01(\x05H\r\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x11 \x01(\x05H\x0e\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x18\n\x16_prompt_logprobs_startB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x11\n\x0f_min_new_tokensB\x0f\n\r_top_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x95\x01\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.jaxoverlap.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"\xc9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.jaxoverlap.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x13.jaxoverlap.v1.ChatH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.jaxoverlap.v1.SamplingParamsB\x07\n\x05input\"l\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1a.jaxoverlap.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xcf\x01\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.jaxoverlap.v1.Usage\x12\x15\n\raccept_length\x18\x04 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\x07 \x03(\x02\x12\x13\n\x0bprompt_top1\x18\x08 \x03(\x08\"r\n\x10GenerateResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x14.jaxoverlap.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x17.jaxoverlap.v1.CompleteH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xa8\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1d\n\x15speculative_algorithm\x18\x05 \x01(\t\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xff\x01\n\x15GetServerInfoResponse\x12\x1a\n\x12\x65ngine_config_json\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x05 \x01(\x04\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x16\n\x0e\x61\x63tive_streams\x18\x07 \x01(\r\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x12\n\nstats_json\x18\t \x01(\t\x12\x16\n\x0eserver_version\x18\n \x01(\t2\xd4\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.jaxoverlap.v1.GenerateRequest\x1a\x1f.jaxoverlap.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.jaxoverlap.v1.AbortRequest\x1a\x1c.jaxoverlap.v1.AbortResponse\x12W\n\x0cGetModelInfo\x12\".jaxoverlap.v1.GetModelInfoRequest\x1a#.jaxoverlap.v1.GetModelInfoResponse\x12Z\n\rGetServerInfo\x12#.jaxoverlap.v1.GetServerInfoRequest\x1a$.jaxoverlap.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ejaxoverlap/v1/jaxoverlap.proto\x12\rjaxoverlap.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb4\x06\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\"\n\x15prompt_logprobs_start\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x0c\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x10 \x01(\x05H\r\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x11 \x01(\x05H\x0e\x88\x01\x01\x12@\n\nlogit_bias\x18\x12 \x03(\x0b\x32,.jaxoverlap.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x18\n\x16_prompt_logprobs_startB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x11\n\x0f_min_new_tokensB\x0f\n\r_top_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x95\x01\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.jaxoverlap.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"\xc9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.jaxoverlap.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x13.jaxoverlap.v1.ChatH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.jaxoverlap.v1.SamplingParamsB\x07\n\x05input\"l\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1a.jaxoverlap.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xcf\x01\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.jaxoverlap.v1.Usage\x12\x15\n\raccept_length\x18\x04 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\x07 \x03(\x02\x12\x13\n\x0bprompt_top1\x18\x08 \x03(\x08\"r\n\x10GenerateResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x14.jaxoverlap.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x17.jaxoverlap.v1.CompleteH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xa8\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1d\n\x15speculative_algorithm\x18\x05 \x01(\t\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xff\x01\n\x15GetServerInfoResponse\x12\x1a\n\x12\x65ngine_config_json\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x05 \x01(\x04\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x16\n\x0e\x61\x63tive_streams\x18\x07 \x01(\r\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x12\n\nstats_json\x18\t \x01(\t\x12\x16\n\x0eserver_version\x18\n \x01(\t2\xd4\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.jaxoverlap.v1.GenerateRequest\x1a\x1f.jaxoverlap.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.jaxoverlap.v1.AbortRequest\x1a\x1c.jaxoverlap.v1.AbortResponse\x12W\n\x0cGetModelInfo\x12\".jaxoverlap.v1.GetModelInfoRequest\x1a#.jaxoverlap.v1.GetModelInfoResponse\x12Z\n\rGetServerInfo\x12#.jaxoverlap.v1.GetServerInfoRequest\x1a$.jaxoverlap.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxoverlap.v1.jaxoverlap_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=49
   _globals['_TOKENIDS']._serialized_end=72
   _globals['_SAMPLINGPARAMS']._serialized_start=75
-  _globals['_SAMPLINGPARAMS']._serialized_end=779
-  _globals['_CHATMESSAGE']._serialized_start=781
-  _globals['_CHATMESSAGE']._serialized_end=825
-  _globals['_CHAT']._serialized_start=828
-  _globals['_CHAT']._serialized_end=977
-  _globals['_GENERATEREQUEST']._serialized_start=980
-  _globals['_GENERATEREQUEST']._serialized_end=1181
-  _globals['_CHUNK']._serialized_start=1183
-  _globals['_CHUNK']._serialized_end=1291
-  _globals['_TOPLOGPROBS']._serialized_start=1293
-  _globals['_TOPLOGPROBS']._serialized_end=1343
-  _globals['_USAGE']._serialized_start=1345
-  _globals['_USAGE']._serialized_end=1425
-  _globals['_COMPLETE']._serialized_start=1428
-  _globals['_COMPLETE']._serialized_end=1635
-  _globals['_GENERATERESPONSE']._serialized_start=1637
-  _globals['_GENERATERESPONSE']._serialized_end=1751
-  _globals['_ABORTREQUEST']._serialized_start=1753
-  _globals['_ABORTREQUEST']._serialized_end=1787
-  _globals['_ABORTRESPONSE']._serialized_start=1789
-  _globals['_ABORTRESPONSE']._serialized_end=1804
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1806
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1827
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1830
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1998
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2000
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2022
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2025
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2280
-  _globals['_GENERATION']._serialized_start=2283
-  _globals['_GENERATION']._serialized_end=2623
+  _globals['_SAMPLINGPARAMS']._serialized_end=895
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=597
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=645
+  _globals['_CHATMESSAGE']._serialized_start=897
+  _globals['_CHATMESSAGE']._serialized_end=941
+  _globals['_CHAT']._serialized_start=944
+  _globals['_CHAT']._serialized_end=1093
+  _globals['_GENERATEREQUEST']._serialized_start=1096
+  _globals['_GENERATEREQUEST']._serialized_end=1297
+  _globals['_CHUNK']._serialized_start=1299
+  _globals['_CHUNK']._serialized_end=1407
+  _globals['_TOPLOGPROBS']._serialized_start=1409
+  _globals['_TOPLOGPROBS']._serialized_end=1459
+  _globals['_USAGE']._serialized_start=1461
+  _globals['_USAGE']._serialized_end=1541
+  _globals['_COMPLETE']._serialized_start=1544
+  _globals['_COMPLETE']._serialized_end=1751
+  _globals['_GENERATERESPONSE']._serialized_start=1753
+  _globals['_GENERATERESPONSE']._serialized_end=1867
+  _globals['_ABORTREQUEST']._serialized_start=1869
+  _globals['_ABORTREQUEST']._serialized_end=1903
+  _globals['_ABORTRESPONSE']._serialized_start=1905
+  _globals['_ABORTRESPONSE']._serialized_end=1920
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1922
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1943
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1946
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2114
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2116
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2138
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2141
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2396
+  _globals['_GENERATION']._serialized_start=2399
+  _globals['_GENERATION']._serialized_end=2739
 # @@protoc_insertion_point(module_scope)

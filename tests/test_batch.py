@@ -35,7 +35,7 @@ GOOD = [
     {"id": "story", "prompt": "Once upon a time", "metadata": {"answer": [1, 2]}},
     {"prompt_token_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0.9, "seed": 7, "max_new_tokens": 9}},
     {"id": 30, "prompt": "The little dog", "sampling_params": {"logprobs": True, "top_logprobs": 2,
-                                                               "repetition_penalty": 1.3}},
+                                                               "repetition_penalty": 1.3, "logit_bias": {"13": -100}}},
     {"id": "30", "prompt": "The little dog"},  # "30" and 30 are different ids
 ]
 BAD = [  # (line, id of its error result, what the error says)

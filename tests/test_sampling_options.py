@@ -45,6 +45,8 @@ def reference(prompt, params: SamplingParams, seed: int = 0) -> list[int]:
         logits = next_logits(seq)
         logits = penalized(logits, prompt, out, params.repetition_penalty, params.frequency_penalty,
                            params.presence_penalty)
+        for tok, bias in params.logit_bias:
+            logits[tok] += np.float32(bias)
         if len(out) < params.min_new_tokens:
             logits[list(params.stop_token_ids)] = -np.inf
         if params.temperature == 0:
@@ -80,17 +82,22 @@ CASES = {
 @pytest.mark.parametrize("overlap", [True, False])
 def test_penalties_match_a_dense_reference(overlap):
     prompt = _prompt(0, 40)  # three prefill chunks of 16
+    plain = reference(prompt, CASES["plain"])
+    # A bias that bans the plain run's first token (JSON-style key) and favours its fourth,
+    # with a penalty on top.
+    cases = dict(CASES, bias=SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, presence_penalty=0.5,
+                                            logit_bias={str(plain[0]): -100, plain[3]: 6.0}))
     eng = make_engine(disable_overlap=not overlap, chunked_prefill_size=16)
     # The same prompt finishes first, so that the prefix cache holds its pages: the
     # penalized requests must still prefill (and see) every prompt token.
     first = run_workload(eng, {0: [("cached", prompt, CASES["plain"])]})
-    arrivals = {0: [(name, prompt, p) for name, p in CASES.items() if name in ("plain", "rep", "freq")],
-                2: [(name, prompt, p) for name, p in CASES.items() if name in ("pres", "all", "sampled")]}
+    arrivals = {0: [(name, prompt, p) for name, p in cases.items() if name in ("plain", "rep", "freq")],
+                2: [(name, prompt, p) for name, p in cases.items() if name in ("pres", "all", "sampled", "bias")]}
     finals = run_workload(eng, arrivals)
-    assert finals["plain"].token_ids == first["cached"].token_ids == reference(prompt, CASES["plain"])
+    assert finals["plain"].token_ids == first["cached"].token_ids == plain
     assert finals["plain"].metrics.cached_prompt_tokens > 0
-    for name in ("rep", "freq", "pres", "all", "sampled"):
-        want = reference(prompt, CASES[name], seed=7)
+    for name in ("rep", "freq", "pres", "all", "sampled", "bias"):
+        want = reference(prompt, cases[name], seed=7)
         assert finals[name].token_ids == want, name
         assert finals[name].metrics.cached_prompt_tokens == 0, name
         if name != "sampled":
@@ -121,8 +128,10 @@ def _prefill_inputs(params, prompt_lens, first, stop_ids, min_end):
     stops = np.full((len(first), K), -1, np.int32)
     for i, ids in enumerate(stop_ids):
         stops[i, : len(ids)] = ids
+    R, K = len(first), penalties.MAX_LOGIT_BIAS
     return penalties.PrefillPenaltyInputs(jnp.asarray(params, jnp.float32), jnp.asarray(prompt_lens, jnp.int32),
-                                          jnp.asarray(first), jnp.asarray(stops), jnp.asarray(min_end, jnp.int32))
+                                          jnp.asarray(first), jnp.asarray(stops), jnp.asarray(min_end, jnp.int32),
+                                          jnp.full((R, K), -1, jnp.int32), jnp.zeros((R, K), jnp.float32))
 
 
 def test_record_prefill_counts_a_resumed_output():
@@ -148,8 +157,7 @@ def test_record_prefill_counts_a_resumed_output():
     assert (row & penalties.COUNT).tolist() == [0, 0, 0, 1, 0, 0, 0, 3, 0, 0]
     assert ((row & penalties.STOP) != 0).nonzero()[0].tolist() == [5, 8]
     logits = jnp.zeros((2, 10), jnp.float32)
-    h, p, m = penalties.rows(pen, jnp.asarray([1, 1]))
-    out = np.asarray(penalties.apply(logits, jnp.asarray([6, 7]), h, p, m))
+    out = np.asarray(penalties.apply(logits, jnp.asarray([6, 7]), *penalties.rows(pen, jnp.asarray([1, 1]))))
     assert np.isneginf(out[0]).nonzero()[0].tolist() == [5, 8] and not np.isneginf(out[1]).any()
 
 
@@ -174,17 +182,21 @@ def test_min_new_tokens_masks_stop_tokens(overlap):
 def test_penalty_params_are_checked_and_refused_where_not_served():
     for bad in (dict(repetition_penalty=0.0), dict(repetition_penalty=float("nan")), dict(frequency_penalty=2.5),
                 dict(presence_penalty=-3.0), dict(presence_penalty="1"), dict(min_new_tokens=-1),
-                dict(max_new_tokens=4, min_new_tokens=5)):
+                dict(max_new_tokens=4, min_new_tokens=5), dict(logit_bias={1: 101.0}), dict(logit_bias={-2: 1.0}),
+                dict(logit_bias={"x": 1.0}), dict(logit_bias={i: 1.0 for i in range(65)})):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**bad)
     assert not SamplingParams().has_penalties and SamplingParams(presence_penalty=0.1).has_penalties
     eng = make_engine(enable_penalties=False)
     assert eng.runner.state.penalty is None
-    for params in (SamplingParams(frequency_penalty=0.5), SamplingParams(min_new_tokens=2)):
+    for params in (SamplingParams(frequency_penalty=0.5), SamplingParams(min_new_tokens=2),
+                   SamplingParams(logit_bias={5: 1.0})):
         with pytest.raises(InvalidRequestError, match="enable_penalties=False"):
             eng.add_request("a", [1, 2, 3], params)
     eng.add_request("b", [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0.0))  # the rest still runs
     assert len(run_workload(eng, {})["b"].token_ids) == 3
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        make_engine().add_request("a", [1, 2, 3], SamplingParams(logit_bias={VOCAB: 1.0}))
     with pytest.raises(InvalidRequestError, match="at most 16 stop token ids"):
         make_engine().add_request("a", [1, 2, 3], SamplingParams(min_new_tokens=2, stop_token_ids=list(range(17))))
     spec = make_engine(speculative_algorithm="ngram")

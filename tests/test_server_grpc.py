@@ -151,8 +151,9 @@ def test_prompt_logprobs(env):
 
 
 def test_penalties(env):
-    """Penalties reach the engine (across the engine process's pipe too): the server's
-    tokens equal the engine's own for the same request, and differ from the plain ones."""
+    """Penalties and logit_bias reach the engine (across the engine process's pipe too): the
+    server's tokens equal the engine's own for the same request, and differ from the plain
+    ones."""
     client = env["client"]
     tokenizer = env["worker"].call_sync(operator.attrgetter("tokenizer"))
     prompt = tokenizer.encode("The cat sat on the mat. The cat sat on the mat. The cat")  # continues " sat on"
@@ -170,6 +171,10 @@ def test_penalties(env):
     if isinstance(env["worker"], EngineWorker):  # a local function does not cross to the engine process
         assert got.token_ids == env["worker"].call_sync(engine_run, timeout=60)
     assert got.token_ids != plain.token_ids and got.cached_tokens == 0
+    # logit_bias (a proto map): the plain run's first token banned, then favoured.
+    banned = client.generate_text(prompt, logit_bias={plain.token_ids[0]: -100.0}, **kw)
+    forced = client.generate_text(prompt, logit_bias={str(plain.token_ids[1]): 100.0}, **kw)
+    assert plain.token_ids[0] not in banned.token_ids[:1] and set(forced.token_ids) == {plain.token_ids[1]}
     _wait_idle(env)
 
 
@@ -238,6 +243,8 @@ BAD = [
     ("frequency penalty out of range", "hi", {"frequency_penalty": 3.0}, grpc.StatusCode.INVALID_ARGUMENT,
      "frequency_penalty"),
     ("top_logprobs above 20", "hi", {"top_logprobs": 21}, grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs"),
+    ("logit_bias out of range", "hi", {"logit_bias": {5: 101.0}}, grpc.StatusCode.INVALID_ARGUMENT, "logit_bias"),
+    ("logit_bias outside vocab", "hi", {"logit_bias": {10**6: 1.0}}, grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
     ("prompt ids too long", list(range(3, 303)), {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
     ("prompt text too long", "word " * 600, {}, grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
 ]
