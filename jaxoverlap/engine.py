@@ -360,27 +360,8 @@ class Engine:
         can check a whole batch of requests before it queues any (LLM.generate)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
-        if params is not None and not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params is not None and params.prompt_logprobs and self.config.speculative_algorithm:
-            raise InvalidRequestError("prompt_logprobs is not available with speculative decoding: "
-                                      "score prompts on an engine without a drafter")
-        if params is not None and params.top_logprobs and self.config.speculative_algorithm:
-            raise InvalidRequestError("top_logprobs is not available with speculative decoding")
-        if params is not None and params.uses_history and not self.serves_penalties:
-            why = ("speculative decoding" if self.config.speculative_algorithm
-                   else "an engine started with enable_penalties=False")
-            raise InvalidRequestError("repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens and "
-                                      f"logit_bias are not available with {why}")
-        if params is not None and any(t >= self.model_config.vocab_size for t, _ in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary ({self.model_config.vocab_size})")
-        if params is not None and params.min_new_tokens:
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if len(stops) > penalties.MAX_STOP_IDS:
-                raise InvalidRequestError(f"min_new_tokens works with at most {penalties.MAX_STOP_IDS} stop token ids "
-                                          f"(EOS included), this request has {len(stops)}")
-            if any(t >= self.model_config.vocab_size for t in stops):
-                raise InvalidRequestError("stop_token_ids must be inside the vocabulary with min_new_tokens")
+        if params is not None:
+            self._check_params(params)
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) >= self.max_context_len:
             raise PromptTooLongError(
@@ -390,6 +371,31 @@ class Engine:
         if not self.scheduler.fits(len(prompt_ids)):
             raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.kv_cache_tokens}")
         return prompt_ids
+
+    def _check_params(self, params) -> None:
+        """What SamplingParams cannot check alone: what this engine serves, and the vocabulary."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        spec = self.config.speculative_algorithm
+        if params.prompt_logprobs and spec:
+            raise InvalidRequestError("prompt_logprobs is not available with speculative decoding: "
+                                      "score prompts on an engine without a drafter")
+        if params.top_logprobs and spec:
+            raise InvalidRequestError("top_logprobs is not available with speculative decoding")
+        if params.uses_history and not self.serves_penalties:
+            why = "speculative decoding" if spec else "an engine started with enable_penalties=False"
+            raise InvalidRequestError("repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens and "
+                                      f"logit_bias are not available with {why}")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary ({vocab})")
+        if params.min_new_tokens:
+            stops = params.ending_token_ids(self.eos_token_ids)
+            if len(stops) > penalties.MAX_STOP_IDS:
+                raise InvalidRequestError(f"min_new_tokens works with at most {penalties.MAX_STOP_IDS} stop token ids "
+                                          f"(EOS included), this request has {len(stops)}")
+            if any(t >= vocab for t in stops):
+                raise InvalidRequestError("stop_token_ids must be inside the vocabulary with min_new_tokens")
 
     @property
     def num_waiting(self) -> int:

@@ -6,6 +6,7 @@ import math
 
 from jaxoverlap.errors import InvalidRequestError
 
+MAX_TOP_LOGPROBS = 20  # SamplingParams.top_logprobs at most (what OpenAI's API allows)
 MAX_LOGIT_BIAS = 64  # tokens one request's logit_bias may name (a fixed-width row on the device: penalties.py)
 
 
@@ -22,7 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     # Per output token, this many most likely tokens and their logprobs under the raw model
-    # distribution (OpenAI's top_logprobs; at most steps.TOP_LOGPROBS = 20). A program
+    # distribution (OpenAI's top_logprobs; at most MAX_TOP_LOGPROBS). A program
     # variant of its own, compiled on first use; not with speculative decoding.
     top_logprobs: int = 0
     # Penalties on tokens the request has seen (repetition: prompt and output) or generated
@@ -67,6 +68,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def ending_token_ids(self, eos_token_ids) -> frozenset[int]:
+        """The token ids that end this request: its stop_token_ids, and EOS unless ignore_eos."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
@@ -99,8 +104,8 @@ class SamplingParams:
             if not _finite(value) or not -2.0 <= value <= 2.0:
                 bad(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
         if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or not (
-                0 <= self.top_logprobs <= 20):
-            bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+                0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if (not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool)
                 or not 0 <= self.min_new_tokens <= self.max_new_tokens):
             bad(f"min_new_tokens must be an integer in [0, max_new_tokens], got {self.min_new_tokens!r}")

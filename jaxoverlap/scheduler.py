@@ -121,8 +121,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         # The token ids that end this request, looked up once per generated token.
-        req.stop_ids = frozenset(req.params.stop_token_ids) | (
-            frozenset() if req.params.ignore_eos else self.eos_token_ids)
+        req.stop_ids = req.params.ending_token_ids(self.eos_token_ids)
         self.waiting.append(req)
 
     def abort(self, req: Request) -> None:

@@ -22,6 +22,7 @@ from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
 from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
+from jaxoverlap.sampling_params import MAX_TOP_LOGPROBS
 
 
 def pack_for_host(*columns: jax.Array) -> jax.Array:
@@ -44,7 +45,7 @@ def float_bits(x) -> jax.Array | np.ndarray:
     return jax.lax.bitcast_convert_type(x, jnp.float32)
 
 
-TOP_LOGPROBS = 20  # alternatives a step returns per row for SamplingParams.top_logprobs (the most asked for)
+TOP_LOGPROBS = MAX_TOP_LOGPROBS  # alternatives a step returns per row, whatever each row asked for
 
 
 def top_logprobs_of(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -67,9 +68,7 @@ class StepOutput:
     @classmethod
     def of(cls, tokens: jax.Array, logprobs: jax.Array, top=None) -> "StepOutput":
         """top: None, or ([R, K] ids, [R, K] logprobs) from `top_logprobs_of`."""
-        if top is None:
-            return cls(pack_for_host(tokens, logprobs))
-        return cls(pack_for_host(tokens, logprobs, *top), has_top=True)
+        return cls(pack_for_host(tokens, logprobs, *(top or ())), has_top=top is not None)
 
     def top_part(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """([R, K] ids, [R, K] float32 logprobs) from the host copy of `packed`, or None."""
@@ -254,10 +253,8 @@ class PromptLogprobOutput(StepOutput):
 
     @classmethod
     def of(cls, tokens, logprobs, target_logprobs, target_is_top1, top=None) -> "PromptLogprobOutput":
-        prompt = (target_logprobs, target_is_top1.astype(jnp.int32))
-        if top is None:
-            return cls(pack_for_host(tokens, logprobs, *prompt))
-        return cls(pack_for_host(tokens, logprobs, *top, *prompt), has_top=True)
+        packed = pack_for_host(tokens, logprobs, *(top or ()), target_logprobs, target_is_top1.astype(jnp.int32))
+        return cls(packed, has_top=top is not None)
 
     def prompt_part(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([R, Q] float32 logprobs, [R, Q] bool argmax flags) from the host copy of `packed`."""
