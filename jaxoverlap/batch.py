@@ -11,7 +11,8 @@ One request per input line, a JSON object:
 
 `id` defaults to the line's number (from 1); `sampling_params` override the defaults given
 on the command line field by field (SamplingParams' names). Any other field is an error,
-so that a misspelt one is not silently ignored.
+so that a misspelt one is not silently ignored. A request with `"n": 4` among its sampling
+params gets four result lines, `"sample_index"` 0 to 3 (pass@k evaluations).
 
 Results are written in the order requests finish, one line each, flushed at once, so an
 interrupted run keeps everything it finished; `resume=True` runs only the ids the output
@@ -50,9 +51,9 @@ class BatchRequest:
 @dataclasses.dataclass
 class BatchSummary:
     lines: int = 0  # requests in the input
-    done_before: int = 0  # skipped: the output already held their results (resume)
+    done_before: int = 0  # skipped: the output already held all their results (resume)
     errors: int = 0  # lines that could not be served
-    generated: int = 0
+    generated: int = 0  # results written (one per sample of requests with n > 1)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
@@ -136,9 +137,9 @@ def parse_request(line: str, line_number: int, defaults: SamplingParams, engine,
     return BatchRequest(request_id, prompt_ids, params, metadata)
 
 
-def _read_done(output_path: str) -> tuple[list[str], set[str]]:
+def _read_done(output_path: str) -> tuple[list[str], set[tuple[str, int]]]:
     """The result lines of an earlier run worth keeping (those without an error), and their
-    ids. A line cut short by an interrupted write is dropped."""
+    (id, sample index) pairs. A line cut short by an interrupted write is dropped."""
     keep, done = [], set()
     with open(output_path, encoding="utf-8") as f:
         for line in f:
@@ -148,14 +149,17 @@ def _read_done(output_path: str) -> tuple[list[str], set[str]]:
                 continue
             if isinstance(record, dict) and "id" in record and "error" not in record:
                 keep.append(json.dumps(record, ensure_ascii=False))
-                done.add(_id_key(record["id"]))
+                done.add((_id_key(record["id"]), record.get("sample_index", 0)))
     return keep, done
 
 
-def _result_record(request: BatchRequest, result) -> dict:
+def _result_record(request: BatchRequest, sample_index: int, result) -> dict:
     m = result.metrics
-    record = {
-        "id": request.id, "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+    record = {"id": request.id}
+    if request.params.n > 1:
+        record["sample_index"] = sample_index
+    record |= {
+        "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
         "prompt_tokens": m.prompt_tokens, "cached_prompt_tokens": m.cached_prompt_tokens,
         "output_tokens": m.output_tokens, "time_to_first_token_s": m.time_to_first_token,
     }
@@ -184,12 +188,13 @@ def run_batch(llm, input_path: str, output_path: str, defaults: SamplingParams |
     result line each to `output_path` (the module's docstring has both formats).
 
     An existing output is kept safe: without `resume` or `overwrite` the call refuses to
-    start. With `resume`, the ids whose results it holds are skipped, and its error lines
-    and any half-written last line are dropped before the rest is appended."""
+    start. With `resume`, the ids whose results it holds are skipped (of a request with n > 1
+    samples, the samples it holds), and its error lines and any half-written last line are
+    dropped before the rest is appended."""
     defaults = defaults or SamplingParams()
     summary = BatchSummary()
     t0 = time.perf_counter()
-    done: set[str] = set()
+    done: set[tuple[str, int]] = set()
     kept: list[str] = []
     if os.path.exists(output_path):
         if resume:
@@ -198,7 +203,7 @@ def run_batch(llm, input_path: str, output_path: str, defaults: SamplingParams |
             raise FileExistsError(f"{output_path} exists: pass resume=True (--resume) to continue it, "
                                   "or overwrite=True (--overwrite)")
 
-    requests: list[BatchRequest] = []
+    work: list[tuple[BatchRequest, int, SamplingParams]] = []  # (request, sample index, its params)
     errors: list[BatchInputError] = []
     seen: set[str] = set()
     with open(input_path, encoding="utf-8") as f:
@@ -215,10 +220,11 @@ def run_batch(llm, input_path: str, output_path: str, defaults: SamplingParams |
             if key in seen:
                 errors.append(BatchInputError(request.id, f"line {line_number}: id {request.id!r} is used by an "
                                                            "earlier line", request.metadata))
-            elif key in done:
-                summary.done_before += 1
             else:
-                requests.append(request)
+                missing = [(request, k, params) for k, params in enumerate(request.params.samples())
+                           if (key, k) not in done]
+                summary.done_before += not missing
+                work.extend(missing)
             seen.add(key)
 
     # Rewrite what is kept through a temporary file, so an interruption here loses nothing.
@@ -236,11 +242,11 @@ def run_batch(llm, input_path: str, output_path: str, defaults: SamplingParams |
         for error in errors:
             write(_error_record(error))
         summary.errors = len(errors)
-        results = llm.generate_unordered([r.prompt_ids for r in requests], [r.params for r in requests],
+        results = llm.generate_unordered([r.prompt_ids for r, _, _ in work], [params for _, _, params in work],
                                          use_tqdm=progress)
         for index, result in results:
-            request = requests[index]
-            write(_result_record(request, result))
+            request, sample_index, _ = work[index]
+            write(_result_record(request, sample_index, result))
             summary.generated += 1
             summary.prompt_tokens += result.metrics.prompt_tokens
             summary.cached_prompt_tokens += result.metrics.cached_prompt_tokens

@@ -340,6 +340,9 @@ class Engine:
         """Queue a request. Bad input raises a ValueError subclass and changes nothing."""
         params = params or SamplingParams()
         prompt_ids = self.check_request(prompt, params)
+        if params.n != 1:
+            raise InvalidRequestError(f"n={params.n}: the engine serves one sequence per request; queue each of "
+                                      "params.samples() as a request of its own (as LLM.generate does)")
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
         old = self.requests.get(request_id)
@@ -356,8 +359,9 @@ class Engine:
 
     def check_request(self, prompt, params: SamplingParams | None = None) -> list[int]:
         """The prompt's token ids if the engine can serve this request; otherwise the
-        ValueError subclass that add_request would raise for it. Changes nothing, so a caller
-        can check a whole batch of requests before it queues any (LLM.generate)."""
+        ValueError subclass that add_request would raise for it (bar n > 1: this checks what
+        each of params.samples() needs). Changes nothing, so a caller can check a whole batch
+        of requests before it queues any (LLM.generate)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
         if params is not None:

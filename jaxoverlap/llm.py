@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from typing import Iterator, Sequence
 
@@ -21,6 +22,17 @@ from jaxoverlap.sampling_params import SamplingParams
 # Requests an LLM call keeps queued in the engine (at least twice max_running_requests): the
 # rest of its prompts wait in the call itself, so a call takes any number of prompts.
 QUEUE_DEPTH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """One request of an LLM call, checked and not yet queued in the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # n == 1
+    prompt_index: int  # in the call's prompts
+    sample_index: int  # 0 .. n-1 of SamplingParams.n
 
 
 class LLM:
@@ -48,9 +60,10 @@ class LLM:
         return self.engine.warmup(batch_sizes, ctx_lens, **kw)
 
     def _prepare(self, prompts, sampling_params) -> collections.deque:
-        """Every request of one call as (request id, prompt ids, params), all checked before any
-        is queued: a bad prompt rejects the whole call and leaves the engine untouched. Text
-        prompts are tokenized in one batch call."""
+        """Every request of one call as a _Pending, all checked before any is queued: a bad
+        prompt rejects the whole call and leaves the engine untouched. Text prompts are
+        tokenized in one batch call. A prompt with SamplingParams.n > 1 becomes n requests
+        (request ids `llm-N-0` .. `llm-N-{n-1}`), which share its prefill through the prefix cache."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -63,8 +76,15 @@ class LLM:
         if texts and tokenizer is not None:
             for i, ids in zip(texts, tokenizer.encode_batch([prompts[i] for i in texts])):
                 prompts[i] = ids
-        return collections.deque((f"llm-{next(self._ids)}", self.engine.check_request(p, sp), sp)
-                                 for p, sp in zip(prompts, sampling_params))
+        pending = collections.deque()
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            params = params or SamplingParams()
+            prompt_ids = self.engine.check_request(prompt, params)
+            rid = f"llm-{next(self._ids)}"
+            samples = params.samples()
+            for k, sample in enumerate(samples):
+                pending.append(_Pending(rid if len(samples) == 1 else f"{rid}-{k}", prompt_ids, sample, index, k))
+        return pending
 
     def _feed(self, pending: collections.deque) -> None:
         """Queue requests of `pending` until the engine has QUEUE_DEPTH waiting. A call may hold
@@ -73,15 +93,16 @@ class LLM:
         engine = self.engine
         depth = min(max(QUEUE_DEPTH, 2 * engine.config.max_running_requests), engine.config.max_queued_requests)
         while pending and engine.num_waiting < depth:
-            rid, prompt_ids, params = pending.popleft()
-            engine.add_request(rid, prompt_ids, params)
+            p = pending.popleft()
+            engine.add_request(p.request_id, p.prompt_ids, p.params)
 
     def generate_stream(
         self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, sampling_params=None
     ) -> Iterator[RequestOutput]:
-        """Yield RequestOutput deltas as the engine produces them (request ids `llm-N`)."""
+        """Yield RequestOutput deltas as the engine produces them (request ids `llm-N`, and
+        `llm-N-k` for sample k of a prompt with SamplingParams.n > 1)."""
         pending = self._prepare(prompts, sampling_params)
-        ids = {rid for rid, _, _ in pending}
+        ids = {p.request_id for p in pending}
         try:
             while ids:
                 self._feed(pending)
@@ -144,29 +165,31 @@ class LLM:
         return [int(t) for t in part]
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[GenerationResult]:
-        """Run prompts to completion; one GenerationResult per prompt, in order."""
+        """Run prompts to completion; one GenerationResult per prompt, in order. With
+        SamplingParams.n > 1 a prompt has n results in a row (sample_index 0 .. n-1): with n
+        samples of every prompt, results[n * i + k] is sample k of prompt i."""
         results = {}
         for index, result in self.generate_unordered(prompts, sampling_params, use_tqdm=use_tqdm):
-            results[index] = result
-        return [results[i] for i in range(len(results))]
+            results[index, result.sample_index] = result
+        return [results[key] for key in sorted(results)]
 
     def generate_unordered(
         self, prompts, sampling_params=None, *, use_tqdm: bool = False
     ) -> Iterator[tuple[int, GenerationResult]]:
         """Run prompts to completion and yield (index in `prompts`, GenerationResult) as each
         request finishes, so a long evaluation can save every result the moment it exists
-        (`jaxoverlap batch`). Leaving the loop early aborts what has not finished."""
+        (`jaxoverlap batch`); a prompt with SamplingParams.n > 1 yields n of them, told apart
+        by their sample_index. Leaving the loop early aborts what has not finished."""
         pending = self._prepare(prompts, sampling_params)
-        index = {rid: i for i, (rid, _, _) in enumerate(pending)}
-        prompt_ids = {rid: p for rid, p, _ in pending}
-        texts = {rid: [] for rid in index}
-        logprobs = {rid: [] for rid in index}
-        top = {rid: [] for rid in index}
+        by_id = {p.request_id: p for p in pending}
+        texts = {rid: [] for rid in by_id}
+        logprobs = {rid: [] for rid in by_id}
+        top = {rid: [] for rid in by_id}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(index), desc="generate", unit="req")
+            bar = tqdm(total=len(by_id), desc="generate", unit="req")
         try:
             while texts:
                 self._feed(pending)
@@ -180,17 +203,19 @@ class LLM:
                     if out.new_top_logprobs is not None:
                         top[rid].extend(out.new_top_logprobs)
                     if out.finished:
+                        p = by_id[rid]
                         result = GenerationResult(
-                            request_id=rid, prompt_token_ids=prompt_ids[rid], token_ids=out.token_ids,
+                            request_id=rid, prompt_token_ids=p.prompt_ids, token_ids=out.token_ids,
                             text="".join(texts.pop(rid)), finish_reason=out.finish_reason, metrics=out.metrics,
                             logprobs=logprobs[rid] if out.new_logprobs is not None else None,
                             prompt_logprobs=out.prompt_logprobs, prompt_top1=out.prompt_top1,
                             top_logprobs=top[rid] if out.new_top_logprobs is not None else None,
+                            sample_index=p.sample_index,
                         )
                         del logprobs[rid], top[rid]
                         if bar is not None:
                             bar.update(1)
-                        yield index[rid], result
+                        yield p.prompt_index, result
         finally:  # the caller stopped early (break, close, an exception): nothing of this call runs on
             self._abandon(list(texts))
             if bar is not None:

@@ -66,7 +66,7 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class GenerationResult:
-    """The final result of one prompt for `LLM.generate`."""
+    """The final result of one prompt (one of its samples when SamplingParams.n > 1) for `LLM.generate`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -78,6 +78,7 @@ class GenerationResult:
     prompt_logprobs: list[float | None] | None = None  # SamplingParams.prompt_logprobs (RequestOutput)
     prompt_top1: list[bool | None] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # SamplingParams.top_logprobs, per output token
+    sample_index: int = 0  # which of the prompt's SamplingParams.n samples (0 .. n-1)
 
 
 class OutputText:

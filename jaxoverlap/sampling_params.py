@@ -8,6 +8,7 @@ from jaxoverlap.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.top_logprobs at most (what OpenAI's API allows)
 MAX_LOGIT_BIAS = 64  # tokens one request's logit_bias may name (a fixed-width row on the device: penalties.py)
+MAX_SAMPLES = 128  # SamplingParams.n at most (as OpenAI's API)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +19,10 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    # Independent samples of the prompt (pass@k evaluations, OpenAI's n). The engine serves one
+    # sequence per request: callers queue `samples()`, one request each, which share the
+    # prompt's prefill through the prefix cache (LLM.generate, jaxoverlap batch, gRPC).
+    n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -64,6 +69,15 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self.validate()
 
+    def samples(self) -> tuple["SamplingParams", ...]:
+        """The n requests this one stands for, each with n=1. Sample k gets seed + k (mod
+        2**32) when a seed is given, so the whole set is reproducible and its samples differ;
+        without one the engine draws a seed per request."""
+        if self.n == 1:
+            return (self,)
+        return tuple(dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + k) % 2**32)
+                     for k in range(self.n))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -95,6 +109,8 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_SAMPLES:
+            bad(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
             bad(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:

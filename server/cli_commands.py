@@ -189,6 +189,7 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--top-p", type=float, default=None)
     _add(g, "--min-p", type=float, default=None)
     _add(g, "--seed", type=int, default=None)
+    _add(g, "-n", "--n", type=int, default=None, help="independent samples of the prompt (sample k uses --seed + k)")
     _add(g, "--stop", action="append", default=None, help="stop string (repeatable)")
     _add(g, "--stop-token-ids", default=None, help="comma-separated stop token ids")
     _add(g, "--ignore-eos", action="store_true", default=None)
@@ -259,8 +260,13 @@ def run_client(args) -> int:
             print("--system and --chat-template-kwargs need --chat", file=sys.stderr)
             return 2
         if args.json:
-            r = client.generate_text(prompt, request_id=args.request_id, **sampling)
-            print(json.dumps(r.__dict__, indent=2))
+            results = client.generate_samples(prompt, args.n or 1, request_id=args.request_id, **sampling)
+            print(json.dumps([r.__dict__ for r in results] if args.n and args.n > 1 else results[0].__dict__,
+                             indent=2))
+            return 0
+        if args.n and args.n > 1:  # the samples' chunks interleave: print each sample once it is done
+            for r in client.generate_samples(prompt, args.n, request_id=args.request_id, **sampling):
+                print(f"--- sample {r.index} [{r.finish_reason}, {r.completion_tokens} tokens]\n{r.text}")
             return 0
         done = None
         for item in client.generate(prompt, request_id=args.request_id, **sampling):

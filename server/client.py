@@ -6,6 +6,7 @@
         for item in c.generate("Hello", max_new_tokens=32, temperature=0):
             print(item)                        # Chunk(...) ... then one Completion(...)
         result = c.generate_text([1, 2, 3], max_new_tokens=8)   # token ids work too
+        samples = c.generate_samples("Hello", 4, temperature=0.8, seed=1)  # n samples, by index
         chat = c.generate_text([{"role": "user", "content": "Hi"}], chat_template_kwargs={"enable_thinking": False})
         print(result.text, result.finish_reason, c.model_info(), c.health())
 
@@ -14,6 +15,7 @@ Errors arrive as grpc.RpcError (`.code()`, `.details()`), e.g. INVALID_ARGUMENT 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import uuid
@@ -27,7 +29,7 @@ from jaxoverlap.server import jaxoverlap_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty",
-                   "frequency_penalty", "presence_penalty", "min_new_tokens", "top_logprobs", "logit_bias")
+                   "frequency_penalty", "presence_penalty", "min_new_tokens", "top_logprobs", "logit_bias", "n")
 
 
 @dataclasses.dataclass
@@ -36,6 +38,7 @@ class Chunk:
     text: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token id, most likely first
+    index: int = 0  # the sample (0 .. n-1) these tokens belong to
 
 
 @dataclasses.dataclass
@@ -51,6 +54,7 @@ class Completion:
     # prompt_logprobs: for prompt tokens 1 .. n-1, the logprob and whether it was the argmax
     prompt_logprobs: list[float] | None = None
     prompt_top1: list[bool] | None = None
+    index: int = 0  # the sample (0 .. n-1) that finished
 
 
 @dataclasses.dataclass
@@ -68,6 +72,7 @@ class GenerateResult:
     prompt_logprobs: list[float] | None = None  # for prompt tokens 1 .. n-1
     prompt_top1: list[bool] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, most likely first
+    index: int = 0  # which sample (0 .. n-1)
 
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -115,11 +120,11 @@ def parse_response(resp: pb.GenerateResponse) -> Chunk | Completion:
     if resp.WhichOneof("response") == "chunk":
         c = resp.chunk
         top = [list(zip(t.token_ids, t.logprobs)) for t in c.top_logprobs]
-        return Chunk(list(c.token_ids), c.text, list(c.logprobs) or None, top or None)
+        return Chunk(list(c.token_ids), c.text, list(c.logprobs) or None, top or None, c.index)
     c = resp.complete
     return Completion(c.request_id, c.finish_reason, list(c.token_ids), c.usage.prompt_tokens,
                       c.usage.completion_tokens, c.usage.cached_tokens, c.accept_length, c.time_to_first_token,
-                      list(c.prompt_logprobs) or None, list(c.prompt_top1) or None)
+                      list(c.prompt_logprobs) or None, list(c.prompt_top1) or None, c.index)
 
 
 def _result(chunks: list[Chunk], done: Completion) -> GenerateResult:
@@ -128,7 +133,26 @@ def _result(chunks: list[Chunk], done: Completion) -> GenerateResult:
     return GenerateResult(done.request_id, "".join(c.text for c in chunks), done.token_ids, done.finish_reason,
                           done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.accept_length,
                           done.time_to_first_token, logprobs or None, done.prompt_logprobs, done.prompt_top1,
-                          top or None)
+                          top or None, done.index)
+
+
+def _results(items) -> list[GenerateResult]:
+    """A whole stream's items as one GenerateResult per sample, by index."""
+    chunks: dict[int, list[Chunk]] = collections.defaultdict(list)
+    done: dict[int, Completion] = {}
+    for item in items:
+        if isinstance(item, Chunk):
+            chunks[item.index].append(item)
+        else:
+            done[item.index] = item
+    if not done:  # pragma: no cover - the server always ends a stream with complete or an error
+        raise RuntimeError("stream ended without a completion")
+    return [_result(chunks[k], done[k]) for k in sorted(done)]
+
+
+def _one_sample(sampling: dict) -> None:
+    if (sampling.get("n") or 1) > 1:
+        raise TypeError("generate_text returns one result: use generate_samples for n > 1")
 
 
 def _model_info(r: pb.GetModelInfoResponse) -> dict:
@@ -215,15 +239,14 @@ class GenerationClient:
 
     def generate_text(self, prompt: Prompt, *, request_id: str | None = None,
                       timeout: float | None = None, **sampling) -> GenerateResult:
-        chunks, done = [], None
-        for item in self.generate(prompt, request_id=request_id, timeout=timeout, **sampling):
-            if isinstance(item, Chunk):
-                chunks.append(item)
-            else:
-                done = item
-        if done is None:  # pragma: no cover - the server always ends a stream with complete or an error
-            raise RuntimeError("stream ended without a completion")
-        return _result(chunks, done)
+        _one_sample(sampling)
+        [result] = _results(self.generate(prompt, request_id=request_id, timeout=timeout, **sampling))
+        return result
+
+    def generate_samples(self, prompt: Prompt, n: int, *, request_id: str | None = None,
+                         timeout: float | None = None, **sampling) -> list[GenerateResult]:
+        """n independent samples of the prompt in one call (SamplingParams.n), by index."""
+        return _results(self.generate(prompt, request_id=request_id, timeout=timeout, n=n, **sampling))
 
     def abort(self, request_id: str, timeout: float | None = None) -> None:
         self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._metadata, timeout=self._t(timeout))
@@ -293,15 +316,16 @@ class AsyncGenerationClient:
 
     async def generate_text(self, prompt: Prompt, *, request_id: str | None = None,
                             timeout: float | None = None, **sampling) -> GenerateResult:
-        chunks, done = [], None
-        async for item in self.generate(prompt, request_id=request_id, timeout=timeout, **sampling):
-            if isinstance(item, Chunk):
-                chunks.append(item)
-            else:
-                done = item
-        if done is None:  # pragma: no cover
-            raise RuntimeError("stream ended without a completion")
-        return _result(chunks, done)
+        _one_sample(sampling)
+        [result] = _results([item async for item in self.generate(prompt, request_id=request_id, timeout=timeout,
+                                                                  **sampling)])
+        return result
+
+    async def generate_samples(self, prompt: Prompt, n: int, *, request_id: str | None = None,
+                               timeout: float | None = None, **sampling) -> list[GenerateResult]:
+        """n independent samples of the prompt in one call (SamplingParams.n), by index."""
+        return _results([item async for item in self.generate(prompt, request_id=request_id, timeout=timeout, n=n,
+                                                              **sampling)])
 
     async def abort(self, request_id: str, timeout: float | None = None) -> None:
         await self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._metadata,

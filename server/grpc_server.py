@@ -2,7 +2,7 @@
 
 One asyncio loop serves every call; the engine runs on the EngineWorker's thread. A Generate call
 registers an output queue with the worker, then relays RequestOutputs as `chunk`s and ends with
-one `complete`. Outputs that pile up while the client is slow are merged into one chunk, so a
+one `complete` per sample (SamplingParams.n; one engine request each). Outputs that pile up while the client is slow are merged into one chunk, so a
 slow reader costs fewer messages, not more. When the call ends early for any reason (client
 cancel, disconnect, deadline, server shutdown) the request is aborted in the engine.
 """
@@ -44,7 +44,7 @@ INLINE_TOKENIZE_MAX_CHARS = 2048
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 _SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
                      "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty", "min_new_tokens", "top_logprobs")
+                     "presence_penalty", "min_new_tokens", "top_logprobs", "n")
 
 
 # ---- request decoding ---------------------------------------------------------------------------
@@ -218,13 +218,14 @@ def _speculative_algorithm(engine) -> str:
 
 
 class _OutputQueue:
-    """Per-request mailbox filled by the worker (on this loop) and drained by the handler."""
+    """Per-call mailbox filled by the worker (on this loop) and drained by the handler."""
 
-    __slots__ = ("_items", "_event")
+    __slots__ = ("_items", "_event", "engine_ids")
 
-    def __init__(self):
+    def __init__(self, engine_ids: list[str]):
         self._items: list = []
         self._event = asyncio.Event()
+        self.engine_ids = engine_ids  # the engine's request ids of the call's samples
 
     def put(self, item) -> None:
         self._items.append(item)
@@ -236,6 +237,16 @@ class _OutputQueue:
             await self._event.wait()
         items, self._items = self._items, []
         return items
+
+
+@dataclasses.dataclass
+class _ChunkParts:
+    """What one sample's outputs add to the next chunk."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)  # pb.TopLogprobs
 
 
 def _tokenize_long(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -273,6 +284,7 @@ class GenerationServicer:
         self.max_queued_requests = max_queued_requests
         self.accepting = True
         self.streams: dict[str, _OutputQueue] = {}
+        self.engine_requests = 0  # the engine requests of the live calls (a call with n samples has n)
         self.started = time.monotonic()
         self.drained = asyncio.Event()
         self.drained.set()
@@ -321,10 +333,11 @@ class GenerationServicer:
             # Admission control on the server side, with no round trip to the engine: at most
             # max_running_requests run and max_queued_requests wait behind them.
             limit = self.info["max_running_requests"] + self.max_queued_requests
-            if len(self.streams) >= limit:
+            if self.engine_requests + params.n > limit:
                 raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"too many queued requests: {len(self.streams)} in flight, the server admits "
-                                f"{limit} (max_running_requests + max_queued_requests={self.max_queued_requests})")
+                                f"too many queued requests: {self.engine_requests} in flight, the server admits "
+                                f"{limit} (max_running_requests + max_queued_requests={self.max_queued_requests})"
+                                + (f"; this call's n={params.n} samples count one each" if params.n > 1 else ""))
         # The chat template writes any BOS itself, so a chat prompt's text is encoded without
         # the tokenizer's special tokens (as transformers' apply_chat_template does).
         return rid, prompt, params, kind != "chat"
@@ -336,11 +349,16 @@ class GenerationServicer:
         except _Rejected as r:
             await self._reject(context, r.code, r.message)
             return
-        mailbox = _OutputQueue()
+        # SamplingParams.n > 1: one engine request per sample, `rid#k`, sharing the prompt's
+        # prefill through the prefix cache; their outputs meet in this call's one mailbox.
+        samples = params.samples()
+        engine_ids = [rid] if len(samples) == 1 else [f"{rid}#{k}" for k in range(len(samples))]
+        mailbox = _OutputQueue(engine_ids)
         self.streams[rid] = mailbox
+        self.engine_requests += len(engine_ids)
         self.drained.clear()
-        add_future = None
-        done = False
+        add_futures = []
+        unfinished = set(range(len(samples)))  # samples the engine may still be running
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             if isinstance(prompt, str):
@@ -353,76 +371,88 @@ class GenerationServicer:
                     logger.exception("tokenizing %s failed", rid)
                     await self._reject(context, grpc.StatusCode.INTERNAL, f"tokenizer failed: {e!r}")
                     return
-            text_maker = None
+            text_makers = None
             if self.tokenizer is not None and not params.stop:
                 # No stop strings, so the engine needs no text: this handler makes it from the
                 # token ids, on the event loop, while the engine's thread waits for the device.
-                params = dataclasses.replace(params, detokenize=False)
-                text_maker = OutputText(self.tokenizer, prompt)
-            add_future = self.worker.submit_add(rid, prompt, params, asyncio.get_running_loop(), mailbox.put)
-            try:
-                await asyncio.shield(asyncio.wrap_future(add_future))
-            except DuplicateRequestError as e:
-                await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(e))
-                return
-            except (PromptTooLongError, QueueFullError) as e:
-                await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-                return
-            except InvalidRequestError as e:
-                await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                return
-            except WorkerUnavailableError as e:
-                await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e))
-                return
-            except Exception as e:  # noqa: BLE001 - an engine bug; still answer with a status
-                logger.exception("add_request(%s) failed", rid)
-                await self._reject(context, grpc.StatusCode.INTERNAL, f"engine failed to add the request: {e!r}")
-                return
+                samples = [dataclasses.replace(sp, detokenize=False) for sp in samples]
+                text_makers = [OutputText(self.tokenizer, prompt) for _ in samples]
+            loop = asyncio.get_running_loop()
+            add_futures = [self.worker.submit_add(eid, prompt, sp, loop, mailbox.put)
+                           for eid, sp in zip(engine_ids, samples)]
+            for add_future in add_futures:
+                try:
+                    await asyncio.shield(asyncio.wrap_future(add_future))
+                except DuplicateRequestError as e:
+                    await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(e))
+                    return
+                except (PromptTooLongError, QueueFullError) as e:
+                    await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                    return
+                except InvalidRequestError as e:
+                    await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    return
+                except WorkerUnavailableError as e:
+                    await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e))
+                    return
+                except Exception as e:  # noqa: BLE001 - an engine bug; still answer with a status
+                    logger.exception("add_request(%s) failed", rid)
+                    await self._reject(context, grpc.StatusCode.INTERNAL, f"engine failed to add the request: {e!r}")
+                    return
+            sample_of = {eid: k for k, eid in enumerate(engine_ids)}
             while True:
                 items = await mailbox.get_all()
-                tokens: list[int] = []
-                texts: list[str] = []
-                logprobs: list[float] = []
-                top: list[pb.TopLogprobs] = []
-                final = None
+                parts: dict[int, _ChunkParts] = {}
+                finals = []
                 for out in items:
                     if isinstance(out, BaseException):
-                        done = True  # the worker already dropped the request
+                        unfinished.clear()  # the worker already dropped the requests
                         await self._reject(context, grpc.StatusCode.UNAVAILABLE, f"engine failed: {out}")
                         return
-                    tokens.extend(out.new_token_ids)
-                    text = out.new_text if text_maker is None else text_maker.delta(out)
+                    k = sample_of[out.request_id]
+                    part = parts.get(k)
+                    if part is None:
+                        part = parts[k] = _ChunkParts()
+                    part.tokens.extend(out.new_token_ids)
+                    text = out.new_text if text_makers is None else text_makers[k].delta(out)
                     if text:
-                        texts.append(text)
+                        part.texts.append(text)
                     if out.new_logprobs:
-                        logprobs.extend(out.new_logprobs)
+                        part.logprobs.extend(out.new_logprobs)
                     if out.new_top_logprobs:
-                        top.extend(pb.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
-                                   for alts in out.new_top_logprobs)
+                        part.top.extend(pb.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
+                                        for alts in out.new_top_logprobs)
                     if out.finished:
-                        final = out
-                if tokens or texts:
-                    if self.metrics is not None:
-                        self.metrics.generated_tokens.inc(len(tokens))
-                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=tokens, text="".join(texts), logprobs=logprobs,
-                                                             top_logprobs=top))
-                if final is not None:
-                    done = True
+                        finals.append((k, out))
+                for k, part in parts.items():
+                    if part.tokens or part.texts:
+                        if self.metrics is not None:
+                            self.metrics.generated_tokens.inc(len(part.tokens))
+                        yield pb.GenerateResponse(chunk=pb.Chunk(
+                            token_ids=part.tokens, text="".join(part.texts), logprobs=part.logprobs,
+                            top_logprobs=part.top, index=k))
+                for k, final in finals:
+                    unfinished.discard(k)
                     self._record_finish(final, time.perf_counter() - t0)
-                    yield pb.GenerateResponse(complete=self._complete(rid, final))
+                    yield pb.GenerateResponse(complete=self._complete(rid, final, k))
+                if not unfinished:
                     return
         finally:
             if self.streams.get(rid) is mailbox:
                 del self.streams[rid]
+            self.engine_requests -= len(engine_ids)
             if not self.streams:
                 self.drained.set()
-            if not done and add_future is not None:
-                # The call ended before the request did (cancel, disconnect, deadline, shutdown):
-                # free its slots. If the add is still in flight, abort once it is accepted.
-                add_future.add_done_callback(lambda f: _abort_if_added(self.worker, rid, f))
+            for k in unfinished:
+                if k < len(add_futures):
+                    # The call ended before this sample did (cancel, disconnect, deadline,
+                    # shutdown, another sample refused): free its slots. If the add is still
+                    # in flight, abort once it is accepted.
+                    add_futures[k].add_done_callback(
+                        lambda f, eid=engine_ids[k]: _abort_if_added(self.worker, eid, f))
 
     @staticmethod
-    def _complete(rid: str, final) -> pb.Complete:
+    def _complete(rid: str, final, index: int = 0) -> pb.Complete:
         m = final.metrics
         ttft = m.time_to_first_token
         return pb.Complete(
@@ -436,6 +466,7 @@ class GenerationServicer:
             # Positions not scored (before prompt_logprobs_start) go as NaN / false.
             prompt_logprobs=[math.nan if lp is None else lp for lp in (final.prompt_logprobs or [None])[1:]],
             prompt_top1=[bool(t) for t in (final.prompt_top1 or [None])[1:]],
+            index=index,
         )
 
     def _record_finish(self, final, latency: float) -> None:
@@ -461,10 +492,13 @@ class GenerationServicer:
 
     async def Abort(self, request: pb.AbortRequest, context):
         rid = request.request_id
-        if rid not in self.streams:
+        stream = self.streams.get(rid)
+        if stream is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request with id {rid!r}")
         try:
-            ok = await self.worker.abort(rid)
+            ok = False
+            for eid in stream.engine_ids:  # every sample's
+                ok |= await self.worker.abort(eid)
         except WorkerUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if not ok:

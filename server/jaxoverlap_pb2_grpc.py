@@ -62,7 +62,8 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams the output of one prompt: zero or more `chunk`s, then exactly one
-        `complete`. Errors end the stream with a status instead:
+        `complete` (one per sample with SamplingParams.n > 1, the stream ending after
+        the last). Errors end the stream with a status instead:
         INVALID_ARGUMENT    no input, two inputs, empty input, token ids outside
         the vocabulary, impossible sampling params, chat
         messages the model's chat template refuses (or a
@@ -77,7 +78,8 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a running request; its stream ends with finish_reason "abort".
+        """Aborts a running request (all of its samples); its stream ends with
+        finish_reason "abort".
         NOT_FOUND when no live request has that id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -442,6 +442,12 @@ def test_client_cli(served, capsys):
     assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--token-ids", "5,6", "--json",
                                                       "--max-new-tokens", "2"])) == 0
     assert json.loads(capsys.readouterr().out)["finish_reason"] == "length"
+    assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--token-ids", "5,6", "--json", "-n", "3",
+                                                      "--max-new-tokens", "2"])) == 0
+    assert [r["index"] for r in json.loads(capsys.readouterr().out)] == [0, 1, 2]
+    assert cli_commands.run_client(parser.parse_args(["--target", st.target, "hi", "--n", "2",
+                                                      "--max-new-tokens", "2"])) == 0
+    assert capsys.readouterr().out.count("--- sample ") == 2
     assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--health"])) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
     assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--info"])) == 0

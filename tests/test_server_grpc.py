@@ -192,6 +192,38 @@ def test_top_logprobs(env):
     _wait_idle(env)
 
 
+def test_n_samples(env):
+    """SamplingParams.n through the server: one stream carries every sample's chunks, told
+    apart by index, and one complete per sample; sample k equals a request of its own with
+    seed + k; the samples share the prompt's prefill."""
+    client, vocab = env["client"], env["info"]["vocab_size"]
+    prompt = _ids(21, vocab, 6)
+    kw = dict(max_new_tokens=6, temperature=1.0, ignore_eos=True, logprobs=True)
+    items = list(client.generate(prompt, n=3, seed=9, **kw))
+    assert isinstance(items[-1], Completion)
+    dones = {c.index: c for c in items if isinstance(c, Completion)}
+    assert sorted(dones) == [0, 1, 2] and len([c for c in items if isinstance(c, Completion)]) == 3
+    tokenizer = env["worker"].call_sync(operator.attrgetter("tokenizer"))
+    for k in range(3):
+        tokens = [t for c in items if isinstance(c, Chunk) and c.index == k for t in c.token_ids]
+        alone = client.generate_text(prompt, seed=9 + k, **kw)
+        assert tokens == dones[k].token_ids == alone.token_ids, k
+        assert "".join(c.text for c in items if isinstance(c, Chunk) and c.index == k) == tokenizer.decode(tokens)
+    assert len({tuple(d.token_ids) for d in dones.values()}) > 1
+    samples = client.generate_samples(prompt, 3, seed=9, **kw)
+    assert [r.index for r in samples] == [0, 1, 2] and [r.token_ids for r in samples] == [
+        dones[k].token_ids for k in range(3)]
+    assert [len(r.logprobs) for r in samples] == [6, 6, 6]
+    fresh = client.generate_samples(_ids(21, vocab, 7), 4, **kw)  # a prompt never sent: one prefill, three cached
+    assert sorted(r.cached_tokens for r in fresh) == [0, 16, 16, 16]
+    with pytest.raises(TypeError, match="generate_samples"):
+        client.generate_text(prompt, n=2)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate_samples(prompt, 129)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be" in e.value.details()
+    _wait_idle(env)
+
+
 def test_model_and_server_info(env):
     client = env["client"]
     m = env["info"]
@@ -242,6 +274,7 @@ BAD = [
     ("empty stop string", "hi", {"stop": [""]}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     ("frequency penalty out of range", "hi", {"frequency_penalty": 3.0}, grpc.StatusCode.INVALID_ARGUMENT,
      "frequency_penalty"),
+    ("zero samples", "hi", {"n": 0}, grpc.StatusCode.INVALID_ARGUMENT, "n must be"),
     ("top_logprobs above 20", "hi", {"top_logprobs": 21}, grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs"),
     ("logit_bias out of range", "hi", {"logit_bias": {5: 101.0}}, grpc.StatusCode.INVALID_ARGUMENT, "logit_bias"),
     ("logit_bias outside vocab", "hi", {"logit_bias": {10**6: 1.0}}, grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
@@ -305,9 +338,20 @@ def test_abort(env):
     assert client.generate_text([5], request_id="to-abort", max_new_tokens=2).finish_reason in ("stop", "length")
 
 
+def test_abort_ends_every_sample(env):
+    client = env["client"]
+    it = iter(client.generate([5, 6, 7, 8], request_id="to-abort-n", n=3, temperature=1.0, max_new_tokens=240,
+                              ignore_eos=True))
+    assert isinstance(next(it), Chunk)
+    client.abort("to-abort-n")
+    dones = [item for item in it if isinstance(item, Completion)]
+    assert sorted(d.index for d in dones) == [0, 1, 2] and {d.finish_reason for d in dones} == {"abort"}
+    _wait_idle(env)
+
+
 def test_client_cancel_mid_stream_leaks_nothing(env):
     client = env["client"]
-    streams = [client.generate([5, 6, 7, i + 10], max_new_tokens=240, ignore_eos=True) for i in range(6)]
+    streams = [client.generate([5, 6, 7, i + 10], max_new_tokens=240, ignore_eos=True, n=1 + i % 3) for i in range(6)]
     for s in streams:
         it = iter(s)
         next(it)
@@ -353,6 +397,18 @@ def test_too_many_queued_requests(env):
             with pytest.raises(grpc.RpcError) as e:
                 c.generate_text([5, 6], max_new_tokens=2)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in e.value.details()
+            for s in streams:
+                s.cancel()
+            _wait_idle(env)
+            # Samples count one each: n=17 alone is over the 16 the server admits.
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate_samples([5, 6], 17, max_new_tokens=2)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "n=17" in e.value.details()
+            streams = [c.generate([5, 6, 4], n=16, max_new_tokens=240, ignore_eos=True)]
+            next(iter(streams[0]))
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate_text([5, 6], max_new_tokens=2)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             for s in streams:
                 s.cancel()
             _wait_idle(env)
