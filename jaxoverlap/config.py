@@ -64,7 +64,8 @@ class EngineConfig:
     # Serve SamplingParams.repetition_penalty / frequency_penalty / presence_penalty,
     # logit_bias and min_new_tokens: keeps a [max_running_requests + 1, vocab] int32 history on the device
     # (Qwen3-8B, 64 running: 40 MB), read and written by sampling programs only
-    # (penalties.py). Off: such requests are refused. Engines with a drafter never serve them.
+    # (penalties.py; with a drafter, verification applies them per draft position). Off:
+    # such requests are refused.
     enable_penalties: bool = True
     # Speculative decoding (names follow SGLang's flags). One step verifies a window of
     # speculative_num_draft_tokens = 1 + speculative_num_steps positions per request.

@@ -15,8 +15,8 @@
 
 The speculative relay fields exist in every engine (zero-width when unused) so the relay
 has one layout; the drafter's caches and `slot_tokens` are None without a drafter that
-needs them, and `penalty` is None where the engine serves no penalties (with a drafter, or
-with EngineConfig.enable_penalties off). The drafter's caches use the target's slot numbers
+needs them, and `penalty` is None where the engine serves no penalties
+(EngineConfig.enable_penalties off). The drafter's caches use the target's slot numbers
 (`req_to_token`), so one page reservation covers both models.
 
 E = max_running_requests + 1: entry 0 belongs to no request, so padded rows read and write

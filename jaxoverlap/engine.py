@@ -236,7 +236,7 @@ class Engine:
         spec = self.drafter.spec if self.drafter is not None else None
 
         mc, ps = self.model_config, config.page_size
-        self.serves_penalties = config.enable_penalties and spec is None
+        self.serves_penalties = config.enable_penalties
         self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096)
         table_width = -(-self.max_context_len // ps) * ps
         kv_tokens = config.kv_cache_tokens or self._kv_tokens_from_memory(params, table_width)
@@ -387,9 +387,8 @@ class Engine:
         if params.top_logprobs and spec:
             raise InvalidRequestError("top_logprobs is not available with speculative decoding")
         if params.uses_history and not self.serves_penalties:
-            why = "speculative decoding" if spec else "an engine started with enable_penalties=False"
             raise InvalidRequestError("repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens and "
-                                      f"logit_bias are not available with {why}")
+                                      "logit_bias are not available on an engine started with enable_penalties=False")
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary ({vocab})")

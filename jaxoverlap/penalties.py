@@ -22,6 +22,10 @@ and marks the request's stop tokens. Positions a prefill does not compute are ne
 recorded, so a request with penalties prefills its whole prompt and never reads the prefix
 cache (Scheduler._admit); min_new_tokens alone needs only the stop marks and may.
 
+A speculative step records its input token too, chooses each column of the verified window
+with the drafts before that column counted (`apply_window`), and records the drafts it
+accepted (`record_drafts`); its bonus token is the next step's input.
+
 Only sampling programs (static `sampling=True`) read or write the history: the host routes
 every batch with such a row to one (runner.batch_samples), and prefill programs always
 sample. Rows without rules (NEUTRAL params, min_end 0, no bias) pass through `apply` unchanged,
@@ -95,6 +99,40 @@ def apply(logits: jax.Array, positions: jax.Array, history: jax.Array, params: j
     logits = logits.at[rows, jnp.maximum(bias_ids, 0)].add(jnp.where(bias_ids >= 0, bias_values, 0.0))
     banned = ((history & STOP) != 0) & (positions < min_end)[:, None]
     return jnp.where(banned, -jnp.inf, logits)
+
+
+def apply_window(logits: jax.Array, lens: jax.Array, drafts: jax.Array, history: jax.Array, params: jax.Array,
+                 min_end: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
+    """`apply` for a speculative step's verified window: logits [B, W, V] at positions
+    L .. L + k (lens [B] = L) of the window [input token, drafts [B, k]]. Column j's logits
+    choose the token at L + j + 1 after drafts 0 .. j - 1, so each column sees the history
+    (input token recorded) plus those drafts as generated. Returns [B, W, V] float32."""
+    B, W, V = logits.shape
+    k = W - 1
+    hist = jnp.repeat(history, W, axis=0)  # [B, V] -> [B * W, V]: column j of row b at b * W + j
+    if k:
+        column = jnp.arange(W)[None, :, None]  # [1, W, 1]
+        before = jnp.broadcast_to(jnp.arange(k)[None, None, :] < column, (B, W, k))  # draft i precedes column j > i
+        cells = jnp.broadcast_to(jnp.arange(B)[:, None, None] * W + column, (B, W, k))  # [B, W, k] rows of hist
+        toks = jnp.broadcast_to(drafts[:, None, :], (B, W, k))
+        hist = hist.at[cells, toks].add(before.astype(jnp.int32))
+        # `max`, not `set`: a token drafted twice writes its cell from two places.
+        hist = hist.at[cells, toks].max(jnp.where(before, hist[cells, toks] | SEEN, 0))
+    positions = (lens[:, None] + 1 + jnp.arange(W)[None, :]).reshape(B * W)  # [B, W] -> [B * W]
+    out = apply(logits.reshape(B * W, V).astype(jnp.float32), positions, hist,  # [B, W, V] -> [B * W, V]
+                *(jnp.repeat(x, W, axis=0) for x in (params, min_end, bias_ids, bias_values)))
+    return out.reshape(B, W, V)  # [B * W, V] -> [B, W, V]
+
+
+def record_drafts(pen: PenaltyState, entries: jax.Array, drafts: jax.Array, accept_lens: jax.Array) -> PenaltyState:
+    """A speculative step's accepted drafts [B, k] (the first accept_lens - 1 of each row)
+    counted as generated. The step's last token (its bonus) is the next step's input, which
+    that step records (`record_generated`), as a plain decode step's token is."""
+    accepted = jnp.arange(drafts.shape[1])[None, :] < (accept_lens - 1)[:, None]  # [B, k]
+    rows = jnp.where(accepted, entries[:, None], 0)  # the rest to entry 0, adding 0
+    history = pen.history.at[rows, drafts].add(accepted.astype(jnp.int32))
+    history = history.at[rows, drafts].max(jnp.where(accepted, history[rows, drafts] | SEEN, 0))
+    return dataclasses.replace(pen, history=history)
 
 
 def rows(pen: PenaltyState, entries: jax.Array) -> tuple:

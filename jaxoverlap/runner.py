@@ -573,7 +573,8 @@ class ModelRunner:
             if row.is_last and req.resume_token is not None:
                 given[i], has_given[i] = req.resume_token, True
             starts[i], lens[i], entries[i], is_last[i] = row.start, row.length, req.entry, row.is_last
-        return SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, *_sampling_arrays(rows, R))
+        return SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, *_sampling_arrays(rows, R),
+                                 penalties=_penalty_inputs(rows, R) if self.penalties else None)
 
     def _prefill_program(self, inp, res: steps.Reservations, ctx_len: int):
         """(jitted step, arguments, static arguments) of one prefill launch; `launch` and

@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxoverlap import penalties
 from jaxoverlap.device_state import DeviceState, Relay
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
+from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
@@ -101,6 +103,8 @@ class SpecPrefillInputs:
     top_p: jax.Array  # [R] float32
     min_p: jax.Array  # [R] float32
     seed: jax.Array  # [R] uint32
+    # Where the engine serves penalties (DeviceState.penalty), as steps.PrefillInputs.
+    penalties: PrefillPenaltyInputs | None = None
 
 
 def _set(relay: Relay, entries, **fields) -> Relay:
@@ -138,6 +142,10 @@ def spec_decode_step(
     lens = relay.seq_lens[entries]  # [B] L: the window covers positions L .. L + k
     bonus = relay.tokens[entries]  # [B] the previous step's bonus token, at position L
     sp = SamplingRows.from_relay(relay, entries)
+    penalty, rule_rows = state.penalty, None
+    if sampling and penalty is not None:  # the host sends every batch with a penalized row here
+        penalty = penalties.record_generated(penalty, entries, bonus)  # the input token, as a decode step does
+        rule_rows = penalties.rows(penalty, entries)
     dk, dv = state.draft_k_cache, state.draft_v_cache
     slot_tokens = state.slot_tokens
     common = dict(ctx_len=ctx_len, attention=attention)
@@ -178,9 +186,14 @@ def spec_decode_step(
     )
     logits = lm_logits(params, hidden)  # [B, W, V]
 
-    # 3. Acceptance, and the new lengths ("publish").
+    # 3. Acceptance, and the new lengths ("publish"). Penalties choose the tokens (each
+    # column after the drafts before it); the drafters draft without them, and what they
+    # propose against the rules is rejected like any other miss.
+    rule_logits = None if rule_rows is None else penalties.apply_window(logits, lens, drafts, *rule_rows)
     out_tokens, accept_len, logprobs = accept(logits, drafts, counts, draft_probs, sp, lens, sampling=sampling,
-                                              backend=spec.accept_backend)
+                                              backend=spec.accept_backend, rule_logits=rule_logits)
+    if rule_rows is not None:
+        penalty = penalties.record_drafts(penalty, entries, drafts, accept_len)
     new_lens = jnp.where(real, lens + accept_len, 0)  # entry 0 stays at length 0
     relay = _set(relay, entries, seq_lens=new_lens)
     next_token = jnp.take_along_axis(out_tokens, (accept_len - 1)[:, None], axis=1)[:, 0]  # [B] the bonus
@@ -198,7 +211,7 @@ def spec_decode_step(
         slot_tokens = ngram_device.write_tokens(slot_tokens, req_to_token, entries, positions, window, kept)
     relay = _set(relay, entries, **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
-                                draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens)
+                                draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
     return state, SpecStepOutput.of(out_tokens, logprobs, accept_len, drafts)
 
 
@@ -236,8 +249,13 @@ def spec_prefill_step(
     )
     last_hidden = jnp.take_along_axis(hidden, inp.chunk_lens[:, None, None], axis=1)[:, 0]  # [R, D] column c
     sp = SamplingRows(inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed)
+    penalty, row_penalties = state.penalty, None
+    if penalty is not None:  # the chunk's own tokens (not the leading column) into the rows' histories
+        penalty = penalties.record_prefill(penalty, inp.entries, inp.tokens[:, 1:], inp.starts, inp.chunk_lens,
+                                           inp.penalties)
+        row_penalties = penalties.rows(penalty, inp.entries)
     next_tokens, logprobs = sample(lm_logits(params, last_hidden), sp.temperature, sp.top_k, sp.top_p, sp.min_p,
-                                   sp.seed, kv_lens, sampling=sampling)
+                                   sp.seed, kv_lens, sampling=sampling, penalties=row_penalties)
     next_tokens = jnp.where(inp.has_given, inp.given_tokens, next_tokens)
     stash = dict(tokens=next_tokens, temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p,
                  seed=inp.seed)
@@ -257,5 +275,5 @@ def spec_prefill_step(
         slot_tokens = ngram_device.write_tokens(slot_tokens, req_to_token, inp.entries, positions, inp.tokens, writes)
     relay = _set(state.relay, inp.entries, seq_lens=jnp.where(inp.entries == 0, 0, kv_lens), **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
-                                draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens)
+                                draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
     return state, StepOutput.of(next_tokens, logprobs)

@@ -101,25 +101,29 @@ def accept(
     *,
     sampling: bool,
     backend: str = "xla",
+    rule_logits: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Accept a prefix of each row's drafts.
 
     logits [B, W, V]: the target's logits at the window positions L .. L + k;
     drafts [B, k]; num_draft [B]: real drafts per row (the rest are never accepted);
     draft_probs: a callable () -> q [B, k, V] for sampled drafts, or None when the drafts
-    are deterministic (one-hot q); lens [B]: L, the position of each window's first token.
+    are deterministic (one-hot q); lens [B]: L, the position of each window's first token;
+    rule_logits [B, W, V]: where penalties apply (penalties.apply_window), the logits the
+    tokens are chosen from, instead of `logits`.
     Returns (tokens [B, W] int32: accepted drafts then the bonus, then -1;
     accept_len [B] int32 = accepted drafts + 1; logprobs [B, W] float32 of the tokens under
     the unfiltered target distribution).
     """
     B, W, V = logits.shape
     k = W - 1
+    choose = logits if rule_logits is None else rule_logits
     if k == 0:
-        return _no_drafts(logits, sp, lens, sampling=sampling)
-    target_argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, W]
+        return _no_drafts(logits, choose, sp, lens, sampling=sampling)
+    target_argmax = jnp.argmax(choose, axis=-1).astype(jnp.int32)  # [B, W]
     tokens, accept_len = acceptance.greedy_accept(drafts, target_argmax, num_draft, backend=backend)
     if sampling:
-        p = filtered_probs(logits.reshape(B * W, V), sp.repeat(W)).reshape(B, W, V)  # [B*W, V] -> [B, W, V]
+        p = filtered_probs(choose.reshape(B * W, V), sp.repeat(W)).reshape(B, W, V)  # [B*W, V] -> [B, W, V]
         q = draft_probs() if draft_probs is not None else jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # [B, k, V]
         draft_pos = lens[:, None] + 1 + jnp.arange(k)  # [B, k]: draft j+1 sits at L + j + 1
         u_keys = row_keys(jnp.repeat(sp.seed, k), draft_pos.reshape(B * k), TAG_ACCEPT)  # [B*k]
@@ -133,14 +137,15 @@ def accept(
     return tokens, accept_len.astype(jnp.int32), logprobs
 
 
-def _no_drafts(logits: jax.Array, sp: SamplingRows, lens: jax.Array, *, sampling: bool):
+def _no_drafts(logits: jax.Array, choose: jax.Array, sp: SamplingRows, lens: jax.Array, *, sampling: bool):
     """The window of a step with speculation paused (no draft slots): the input token alone.
     Its one new token is the bonus of a window whose drafts were all rejected, drawn with
-    the same key (FINAL of L), so a paused step gives what a step whose drafts all miss gives."""
+    the same key (FINAL of L), so a paused step gives what a step whose drafts all miss gives.
+    The token comes from `choose` (the logits with any penalties), its logprob from `logits`."""
     B = logits.shape[0]
-    tokens = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B]
+    tokens = jnp.argmax(choose[:, 0], axis=-1).astype(jnp.int32)  # [B]
     if sampling:
-        p = filtered_probs(logits[:, 0], sp)  # [B, V]
+        p = filtered_probs(choose[:, 0], sp)  # [B, V]
         su = jax.vmap(lambda key: jax.random.uniform(key))(row_keys(sp.seed, lens, TAG_FINAL))  # [B]
         tokens = jnp.where(sp.temperature > 0, acceptance.inverse_cdf(p, su).astype(jnp.int32), tokens)
     logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)  # [B, V]
