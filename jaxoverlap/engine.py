@@ -380,12 +380,6 @@ class Engine:
         """What SamplingParams cannot check alone: what this engine serves, and the vocabulary."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        spec = self.config.speculative_algorithm
-        if params.prompt_logprobs and spec:
-            raise InvalidRequestError("prompt_logprobs is not available with speculative decoding: "
-                                      "score prompts on an engine without a drafter")
-        if params.top_logprobs and spec:
-            raise InvalidRequestError("top_logprobs is not available with speculative decoding")
         if params.uses_history and not self.serves_penalties:
             raise InvalidRequestError("repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens and "
                                       "logit_bias are not available on an engine started with enable_penalties=False")

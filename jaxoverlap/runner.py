@@ -40,7 +40,7 @@ class LaunchedStep:
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Wait for this step's small outputs (the only place the host waits for the device).
         Returns (tokens, logprobs, accept_lens or None for plain steps)."""
-        return type(self.out).unpack(np.asarray(self.out.packed))
+        return self.out.unpack(np.asarray(self.out.packed))
 
     def prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray] | None:
         """After fetch: a prefill's [R, Q] prompt-token logprobs and argmax flags, if a row
@@ -50,10 +50,9 @@ class LaunchedStep:
         return self.out.prompt_part(np.asarray(self.out.packed))
 
     def top_logprobs(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """After fetch: each row's [R, K] most likely token ids and their logprobs, if a row
-        asked for them (steps.StepOutput.has_top), else None."""
-        if not getattr(self.out, "has_top", False):  # speculative outputs never have them
-            return None
+        """After fetch: each row's most likely token ids and their logprobs, if a row asked
+        for them (`has_top`), else None: [R, K] each for plain and prefill steps, [R, W, K]
+        (every window position) for speculative decode steps."""
         return self.out.top_part(np.asarray(self.out.packed))
 
 
@@ -411,8 +410,7 @@ class ModelRunner:
                         top: bool = False):
         """(jitted step, arguments, static arguments) of one decode launch. `launch` and
         `precompile` both build their call here, so that they meet in one jit cache entry.
-        `top`: the variant that returns top logprobs (plain engines only: speculative ones
-        refuse such requests)."""
+        `top`: the variant that returns top logprobs."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
                       sampling=sampling, **({"top_logprobs": True} if top else {}))
         if self.spec is None:
@@ -537,8 +535,7 @@ class ModelRunner:
         # not through jit); any other compiles on its first launch, as does the variant that
         # returns prompt logprobs or top logprobs (never warmed up: offline scoring, not
         # serving latency).
-        scoring = getattr(inp, "targets", None) is not None  # SpecPrefillInputs has none: drafters refuse it
-        top = getattr(inp, "top_logprobs", False)
+        scoring, top = inp.targets is not None, inp.top_logprobs
         compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring, top))
         self.state, out = compiled(*args) if compiled is not None else step(*args, **static)
         return out
@@ -574,7 +571,9 @@ class ModelRunner:
                 given[i], has_given[i] = req.resume_token, True
             starts[i], lens[i], entries[i], is_last[i] = row.start, row.length, req.entry, row.is_last
         return SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, *_sampling_arrays(rows, R),
-                                 penalties=_penalty_inputs(rows, R) if self.penalties else None)
+                                 targets=_prompt_targets(rows, R, T - 1),  # the chunk's columns only
+                                 penalties=_penalty_inputs(rows, R) if self.penalties else None,
+                                 top_logprobs=batch_top_logprobs(rows))
 
     def _prefill_program(self, inp, res: steps.Reservations, ctx_len: int):
         """(jitted step, arguments, static arguments) of one prefill launch; `launch` and

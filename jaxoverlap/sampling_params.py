@@ -29,11 +29,11 @@ class SamplingParams:
     logprobs: bool = False
     # Per output token, this many most likely tokens and their logprobs under the raw model
     # distribution (OpenAI's top_logprobs; at most MAX_TOP_LOGPROBS). A program
-    # variant of its own, compiled on first use; not with speculative decoding.
+    # variant of its own, compiled on first use.
     top_logprobs: int = 0
     # Penalties on tokens the request has seen (repetition: prompt and output) or generated
     # (frequency, presence), as in vLLM and SGLang; penalties.py. Such a request prefills
-    # its whole prompt (no prefix cache); speculative engines refuse them.
+    # its whole prompt (no prefix cache).
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

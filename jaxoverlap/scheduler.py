@@ -376,8 +376,9 @@ class Scheduler:
 
         Prefill steps in which a row asked for its prompt's logprobs also hand over
         `prompt_logprobs`: ([R, Q] logprobs, [R, Q] argmax flags) of the token after each
-        position of each row's chunk. Plain steps in which a row asked for top logprobs hand
-        over `top_logprobs`: ([R, K] token ids, [R, K] logprobs), most likely first.
+        position of each row's chunk. Steps in which a row asked for top logprobs hand over
+        `top_logprobs`: ([R, K] token ids, [R, K] logprobs), most likely first, or for
+        speculative decode steps [R, W, K] each (every window position).
         """
         if prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, *prompt_logprobs)
@@ -413,11 +414,14 @@ class Scheduler:
                     self.num_verify_rows += 1
                 new = list(zip(tokens[i][:n], logprobs[i][:n]))
             reason = None
-            if top is not None and req.output_top_logprobs is not None:  # plain steps only: one token per row
-                _record_top(req, top, i)
-            for tok, lp in new:
+            row_top = None  # per new token: (K ids, K logprobs)
+            if top is not None and req.output_top_logprobs is not None:
+                row_top = [(top[0][i], top[1][i])] if batch.kind == "prefill" else list(zip(top[0][i], top[1][i]))
+            for j, (tok, lp) in enumerate(new):
                 req.output_ids.append(tok)
                 req.output_logprobs.append(lp)
+                if row_top is not None:
+                    _record_top(req, row_top[j])
                 reason = self._check_stop(req)
                 if reason is not None:
                     break
@@ -457,7 +461,7 @@ class Scheduler:
             metrics = req.metrics
             metrics.num_steps += 1
             if top is not None and req.output_top_logprobs is not None:
-                _record_top(req, top, i)
+                _record_top(req, (top[0][i], top[1][i]))
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
             metrics.output_tokens = len(req.output_ids)
@@ -525,7 +529,7 @@ class Scheduler:
         self.entries.check_integrity([r.entry for r in self._admitted()])
 
 
-def _record_top(req: Request, top: tuple[list, list], i: int) -> None:
-    """Row i's most likely tokens (ids and logprobs as lists of rows), as many as it asked for."""
+def _record_top(req: Request, top: tuple[list, list]) -> None:
+    """One output token's most likely tokens (K ids, K logprobs), as many as it asked for."""
     k = req.params.top_logprobs
-    req.output_top_logprobs.append(list(zip(top[0][i][:k], top[1][i][:k])))
+    req.output_top_logprobs.append(list(zip(top[0][:k], top[1][:k])))

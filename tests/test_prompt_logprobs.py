@@ -75,11 +75,30 @@ def test_llm_and_batch_surface_prompt_logprobs(tmp_path):
     llm.close()
 
 
-def test_speculative_engines_refuse_prompt_logprobs():
-    eng = make_engine(speculative_algorithm="ngram_device", max_running_requests=4, batch_buckets=(4,))
-    with pytest.raises(InvalidRequestError, match="speculative"):
-        eng.add_request("x", [1, 2, 3], SCORE)
-    assert not eng.has_work()
+@pytest.mark.parametrize("drafter", ["ngram_device", "eagle"])
+def test_speculative_engines_score_prompts(drafter):
+    """The speculative prefill (a leading column before each chunk) scores the chunk's own
+    positions: chunked prompts, one scored from a later position with its context read from
+    the prefix cache, and the decode after it unchanged."""
+    rng = np.random.default_rng(4)
+    prompts = {f"p{i}": [int(t) for t in rng.integers(0, VOCAB, size=n)] for i, n in enumerate((6, 45))}
+    eng = make_engine(speculative_algorithm=drafter, max_running_requests=4, batch_buckets=(4,),
+                      chunked_prefill_size=16)
+    plain = run_workload(eng, {0: [("plain", prompts["p1"], SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                                          ignore_eos=True))]})["plain"]
+    tail = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=True,
+                          prompt_logprobs_start=30)
+    finals = run_workload(eng, {0: [("p0", prompts["p0"], SCORE), ("p1", prompts["p1"], SCORE)],
+                                1: [("tail", prompts["p1"], tail)]})
+    for rid in ("p0", "p1"):
+        want_lp, want_top1 = reference(prompts[rid])
+        assert finals[rid].prompt_top1 == want_top1, rid
+        np.testing.assert_allclose(finals[rid].prompt_logprobs[1:], want_lp[1:], rtol=1e-4, atol=1e-4)
+    got = finals["tail"]
+    assert got.metrics.cached_prompt_tokens > 0 and got.prompt_logprobs[:30] == [None] * 30
+    np.testing.assert_allclose(got.prompt_logprobs[30:], reference(prompts["p1"])[0][30:], rtol=1e-4, atol=1e-4)
+    assert got.token_ids == plain.token_ids
+    assert_drained(eng)
 
 
 def test_loglikelihood_of_continuations():

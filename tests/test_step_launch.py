@@ -115,7 +115,7 @@ def test_packed_speculative_output_round_trips():
     drafts = rng.integers(0, 1000, (B, W - 1)).astype(np.int32)
     out = SpecStepOutput.of(jnp.asarray(tokens), jnp.asarray(logprobs), jnp.asarray(accept), jnp.asarray(drafts))
     assert out.packed.shape == (B, 2 * W + 1) and out.window == W
-    t, lp, a = SpecStepOutput.unpack(np.asarray(out.packed))
+    t, lp, a = out.unpack(np.asarray(out.packed))
     np.testing.assert_array_equal(t, tokens)
     np.testing.assert_array_equal(lp, logprobs)
     np.testing.assert_array_equal(a, accept)

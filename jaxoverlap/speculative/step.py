@@ -34,25 +34,42 @@ from jaxoverlap.sampling import sample
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
 from jaxoverlap.speculative.verify import SamplingRows, accept
-from jaxoverlap.steps import DecodeInputs, Reservations, StepOutput, apply_reservations, float_bits, pack_for_host
+from jaxoverlap.steps import (
+    TOP_LOGPROBS,
+    DecodeInputs,
+    PromptLogprobOutput,
+    Reservations,
+    StepOutput,
+    apply_reservations,
+    float_bits,
+    pack_for_host,
+    token_logprobs,
+    top_logprobs_of,
+)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecStepOutput:
     """The small per-row results of a speculative step. Those for the host are packed into
-    one array (steps.pack_for_host): W tokens, the W logprobs' bits, the accept length."""
+    one array (steps.pack_for_host): W tokens, the W logprobs' bits, the accept length, and
+    in programs for top logprobs (`has_top`, static) each window position's TOP_LOGPROBS
+    token ids and their logprobs' bits."""
 
-    packed: jax.Array  # [B, 2W + 1] int32
+    packed: jax.Array  # [B, 2W + 1] int32, or [B, 2W + 1 + 2WK] with the top logprobs
     drafts: jax.Array  # [B, k] int32: what the drafter proposed (kept on the device; for tests)
+    has_top: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
-    def of(cls, tokens, logprobs, accept_lens, drafts) -> "SpecStepOutput":
-        return cls(pack_for_host(tokens, logprobs, accept_lens), drafts)
+    def of(cls, tokens, logprobs, accept_lens, drafts, top=None) -> "SpecStepOutput":
+        """top: None, or ([B, W, K] ids, [B, W, K] logprobs) of every window position."""
+        B = tokens.shape[0]
+        flat = () if top is None else tuple(t.reshape(B, -1) for t in top)  # [B, W, K] -> [B, W * K]
+        return cls(pack_for_host(tokens, logprobs, accept_lens, *flat), drafts, has_top=top is not None)
 
     @property
     def window(self) -> int:
-        return (self.packed.shape[1] - 1) // 2
+        return self.drafts.shape[1] + 1
 
     @property
     def tokens(self):  # [B, W] int32: accepted drafts, then the bonus token, then -1
@@ -64,13 +81,22 @@ class SpecStepOutput:
 
     @property
     def accept_lens(self):  # [B] int32: tokens the row gained (accepted drafts + 1)
-        return self.packed[:, -1]
+        return self.packed[:, 2 * self.window]
 
-    @staticmethod
-    def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def unpack(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens [B, W], logprobs [B, W], accept_lens [B]) from the host copy of `packed`."""
-        W = (packed.shape[1] - 1) // 2
-        return packed[:, :W], float_bits(np.ascontiguousarray(packed[:, W : 2 * W])), packed[:, -1]
+        W = self.window
+        return packed[:, :W], float_bits(np.ascontiguousarray(packed[:, W : 2 * W])), packed[:, 2 * W]
+
+    def top_part(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """([B, W, K] ids, [B, W, K] float32 logprobs) from the host copy of `packed`, or None."""
+        if not self.has_top:
+            return None
+        B, W, K = packed.shape[0], self.window, TOP_LOGPROBS
+        first = 2 * W + 1
+        ids = packed[:, first : first + W * K].reshape(B, W, K)  # [B, W * K] -> [B, W, K]
+        values = float_bits(np.ascontiguousarray(packed[:, first + W * K : first + 2 * W * K])).reshape(B, W, K)
+        return ids, values
 
 
 @jax.tree_util.register_dataclass
@@ -103,8 +129,13 @@ class SpecPrefillInputs:
     top_p: jax.Array  # [R] float32
     min_p: jax.Array  # [R] float32
     seed: jax.Array  # [R] uint32
+    # Only for prefills with prompt_logprobs, as steps.PrefillInputs: [R, T - 1] int32, the
+    # prompt token after each of the chunk's positions (column 0 of `tokens` has none).
+    targets: jax.Array | None = None
     # Where the engine serves penalties (DeviceState.penalty), as steps.PrefillInputs.
     penalties: PrefillPenaltyInputs | None = None
+    # Some row asked for top logprobs (static: a program of its own), as steps.PrefillInputs.
+    top_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def _set(relay: Relay, entries, **fields) -> Relay:
@@ -113,7 +144,7 @@ def _set(relay: Relay, entries, **fields) -> Relay:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling"),
+    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling", "top_logprobs"),
     donate_argnames=("state",),
 )
 def spec_decode_step(
@@ -129,10 +160,13 @@ def spec_decode_step(
     page_size: int,
     attention=xla_paged_attention,
     sampling: bool = True,
+    top_logprobs: bool = False,
 ):
     """One speculative step for B rows, everything but the host n-gram drafts read from
     the relay. Returns (state, SpecStepOutput). `spec.num_draft == 0` is the paused step:
-    a window of one (a plain decode step) that still updates the drafter's state."""
+    a window of one (a plain decode step) that still updates the drafter's state.
+    `top_logprobs` (static): also return every window position's TOP_LOGPROBS most likely
+    tokens under the raw target distribution."""
     entries = inputs.entries  # [B] int32, padded rows on entry 0
     req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
     relay = state.relay
@@ -212,7 +246,11 @@ def spec_decode_step(
     relay = _set(relay, entries, **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
-    return state, SpecStepOutput.of(out_tokens, logprobs, accept_len, drafts)
+    top = None
+    if top_logprobs:
+        ids, values = top_logprobs_of(logits.reshape(B * W, -1))  # [B, W, V] -> [B * W, V]
+        top = (ids.reshape(B, W, -1), values.reshape(B, W, -1))  # [B * W, K] -> [B, W, K]
+    return state, SpecStepOutput.of(out_tokens, logprobs, accept_len, drafts, top)
 
 
 @functools.partial(
@@ -254,8 +292,9 @@ def spec_prefill_step(
         penalty = penalties.record_prefill(penalty, inp.entries, inp.tokens[:, 1:], inp.starts, inp.chunk_lens,
                                            inp.penalties)
         row_penalties = penalties.rows(penalty, inp.entries)
-    next_tokens, logprobs = sample(lm_logits(params, last_hidden), sp.temperature, sp.top_k, sp.top_p, sp.min_p,
-                                   sp.seed, kv_lens, sampling=sampling, penalties=row_penalties)
+    logits = lm_logits(params, last_hidden)  # [R, V]
+    next_tokens, logprobs = sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed, kv_lens,
+                                   sampling=sampling, penalties=row_penalties)
     next_tokens = jnp.where(inp.has_given, inp.given_tokens, next_tokens)
     stash = dict(tokens=next_tokens, temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p,
                  seed=inp.seed)
@@ -276,4 +315,8 @@ def spec_prefill_step(
     relay = _set(state.relay, inp.entries, seq_lens=jnp.where(inp.entries == 0, 0, kv_lens), **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
-    return state, StepOutput.of(next_tokens, logprobs)
+    top = top_logprobs_of(logits) if inp.top_logprobs else None
+    if inp.targets is not None:  # a row asked for its prompt's logprobs (a program of its own)
+        return state, PromptLogprobOutput.of(next_tokens, logprobs, *token_logprobs(params, hidden[:, 1:], inp.targets),
+                                             top)
+    return state, StepOutput.of(next_tokens, logprobs, top)

@@ -1,7 +1,8 @@
-"""Penalties, logit_bias and min_new_tokens under speculative decoding (penalties.apply_window,
-record_drafts): each column of a verified window sees the drafts before it; accepted drafts
-are counted; with every drafter the greedy tokens equal the plain engine's, with overlap on
-and off, under retraction; seeded sampling is the same with and without overlap.
+"""Penalties, logit_bias, min_new_tokens and top_logprobs under speculative decoding
+(penalties.apply_window, record_drafts): each column of a verified window sees the drafts
+before it; accepted drafts are counted; with every drafter the greedy tokens equal the plain
+engine's, with overlap on and off, under retraction; seeded sampling is the same with and
+without overlap; every output token's top logprobs equal the plain engine's.
 
 Compile budget: one batch bucket, one context bucket and one prefill length per engine, as
 in test_spec_engine.py; the penalized workload is all on sampling programs.
@@ -132,3 +133,44 @@ def test_seeded_penalized_sampling_is_the_same_with_and_without_overlap():
     assert outs[0] == outs[1]
     stops = workload(greedy=False)[2][1][2]  # the min_new_tokens request
     assert not set(outs[0]["r5"][:12]) & set(stops.stop_token_ids)
+
+
+
+def _tokens_and_tops(engine, requests) -> dict:
+    """{request id: (output tokens, per-token top logprobs or None)} of requests queued at once."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    tops = {rid: [] for rid, _, _ in requests}
+    done = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.new_top_logprobs is not None:
+                tops[out.request_id].extend(out.new_top_logprobs)
+            if out.finished:
+                done[out.request_id] = (out.token_ids, tops[out.request_id] or None)
+    return done
+
+
+def test_top_logprobs_equal_the_plain_engines():
+    """Per output token (the prefill's first, then each accepted window position), the top
+    logprobs of a speculative engine equal the plain engine's for the same greedy tokens."""
+    rng = np.random.default_rng(5)
+    few = rng.integers(0, VOCAB, size=5)
+    requests = [(f"t{i}", [int(t) for t in rng.choice(few, size=9 + 3 * i)],
+                 SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, top_logprobs=3 if i else 0,
+                                presence_penalty=0.5 if i == 2 else 0.0)) for i in range(3)]
+    want = _tokens_and_tops(make_engine(**OPTS), requests)
+    assert want["t0"][1] is None
+    for name in ("draft_is_target", "ngram_device"):
+        eng = spec_engine(name)
+        got = _tokens_and_tops(eng, requests)
+        # Windows of several tokens were accepted (nearly whole ones with the target as drafter).
+        assert eng.stats()["accept_length"] > (3.0 if name == "draft_is_target" else 1.0), name
+        assert got["t0"] == want["t0"]
+        for rid in ("t1", "t2"):
+            tokens, tops = got[rid]
+            assert tokens == want[rid][0] and len(tops) == len(tokens) == 12, (name, rid)
+            for mine, theirs in zip(tops, want[rid][1]):
+                assert [t for t, _ in mine] == [t for t, _ in theirs], (name, rid)
+                np.testing.assert_allclose([lp for _, lp in mine], [lp for _, lp in theirs], atol=1e-4)
+        assert_drained(eng)
