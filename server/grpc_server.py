@@ -2,9 +2,10 @@
 
 One asyncio loop serves every call; the engine runs on the EngineWorker's thread. A Generate call
 registers an output queue with the worker, then relays RequestOutputs as `chunk`s and ends with
-one `complete` per sample (SamplingParams.n; one engine request each). Outputs that pile up while the client is slow are merged into one chunk, so a
-slow reader costs fewer messages, not more. When the call ends early for any reason (client
-cancel, disconnect, deadline, server shutdown) the request is aborted in the engine.
+one `complete` per sample (SamplingParams.n; one engine request each). Outputs that pile up
+while the client is slow are merged into one chunk per sample, so a slow reader costs fewer
+messages, not more. When the call ends early for any reason (client cancel, disconnect,
+deadline, server shutdown) its requests are aborted in the engine.
 """
 from __future__ import annotations
 
