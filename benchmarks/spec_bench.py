@@ -5,6 +5,14 @@ accept length it was measured at: two runs compare only at the same accept lengt
 
     python benchmarks/spec_bench.py --batches 1 8 32 --out spec_bench.json
     python benchmarks/spec_bench.py --tiny            # CPU smoke run
+    python benchmarks/spec_bench.py --algos plain eagle --batches 32 \
+        --sampling-params '{"temperature": 0.8, "presence_penalty": 0.5}'   # sampled, with a penalty
+
+--sampling-params (SamplingParams fields as JSON; default greedy) sets every request's
+sampling; request i gets seed 1000 + i, so overlap on and off still give the same tokens.
+When they make the steps sampling programs, the device time is also measured with the
+engine's penalty history left out of the state (`device_no_history_ms`: what
+enable_penalties=False runs), so the history's cost shows next to the step it is part of.
 
 One engine per drafter shares the target's weights. Each (drafter, batch) compiles one
 decode and one prefill program (about half a minute each on 8B shapes): pass
@@ -62,15 +70,19 @@ def prompts(args, vocab, batch_size, seed):
     return out
 
 
-def run_workload(engine, args, batch_size, new_tokens, seed):
+def sampling_params(args, new_tokens: int, i: int):
     from jaxoverlap.sampling_params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(**{"temperature": 0.0, **args.sampling_params, "max_new_tokens": new_tokens,
+                             "ignore_eos": True, "seed": 1000 + i})
+
+
+def run_workload(engine, args, batch_size, new_tokens, seed):
     drafter = engine.runner.drafter
     if drafter is not None and drafter.host is not None:
         drafter.host.clear()  # each run starts from an empty trie, not from the last run's text
     for i, p in enumerate(prompts(args, engine.model_config.vocab_size, batch_size, seed)):
-        engine.add_request(f"b{batch_size}-{seed}-{i}", p, params)
+        engine.add_request(f"b{batch_size}-{seed}-{i}", p, sampling_params(args, new_tokens, i))
     start = len(engine.timings)
     t = time.perf_counter()
     finals = {}
@@ -119,11 +131,13 @@ def last_ctx_bucket(engine, args) -> int:
     return pick(r.ctx_buckets, min(-(-reserved // 16) * 16, r.table_width))
 
 
-def device_step_ms(engine, batch_size, ctx_len, iters):
+def device_step_ms(engine, batch_size, ctx_len, iters, sampling=False, history=True):
     """Back-to-back steps with no host work between them (async dispatch keeps the queue
-    full): the device time of one plain or speculative step. The rows start at length 0
-    and write slots of freed pages, which is harmless here; the relay lengths are reset
-    afterwards so the engine's bookkeeping stays true. Returns (ms, accept length)."""
+    full): the device time of one plain or speculative step, greedy or (`sampling`) the
+    sampling program, with the engine's penalty history or (history=False) without it.
+    The rows start at length 0 and write slots of freed pages, which is harmless here; the
+    relay lengths are reset afterwards so the engine's bookkeeping stays true. Returns (ms,
+    accept length)."""
     import jax
     import numpy as np
 
@@ -134,6 +148,10 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
     cap = max(8, batch_size * r.decode_pages_per_row)
     inputs = steps.DecodeInputs.of(entries, steps.Reservations.empty(cap))
 
+    penalty = r.state.penalty
+    if not history:
+        r.state = dataclasses.replace(r.state, penalty=None)
+
     def reset():
         relay = r.state.relay
         r.state = dataclasses.replace(r.state, relay=dataclasses.replace(relay, seq_lens=relay.seq_lens * 0))
@@ -141,7 +159,7 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
     if r.spec is None:
         def call():
             r.state, out = steps.decode_step(r.params, r.state, inputs, cfg=r.model_cfg, ctx_len=ctx_len,
-                                             page_size=r.page_size, attention=r.attention, sampling=False)
+                                             page_size=r.page_size, attention=r.attention, sampling=sampling)
             return out
     else:
         from jaxoverlap.speculative.step import HostDrafts, spec_decode_step
@@ -156,7 +174,7 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
         def call():
             r.state, out = spec_decode_step(r.params, r.drafter.params, r.state, inputs, host,
                                             cfg=r.model_cfg, spec=spec, ctx_len=ctx_len, page_size=r.page_size,
-                                            attention=r.attention, sampling=False)  # the greedy program
+                                            attention=r.attention, sampling=sampling)
             return out
 
     reset()
@@ -172,6 +190,8 @@ def device_step_ms(engine, batch_size, ctx_len, iters):
     if r.spec is not None:
         accept = float(np.mean([np.asarray(o.accept_lens).mean() for o in outs]))
     reset()
+    if not history:
+        r.state = dataclasses.replace(r.state, penalty=penalty)
     return ms, accept
 
 
@@ -185,6 +205,8 @@ def main():
     ap.add_argument("--enable-prefix-cache", action="store_true",
                     help="keep the prefix cache on (the overlap-off run then reuses the first run's pages)")
     ap.add_argument("--new-tokens", type=int, default=120)
+    ap.add_argument("--sampling-params", type=json.loads, default={},
+                    help='SamplingParams fields as JSON for every request, e.g. \'{"temperature": 0.8}\' (default greedy)')
     ap.add_argument("--max-context-len", type=int, default=512)
     ap.add_argument("--device-iters", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
@@ -226,8 +248,8 @@ def main():
             "commit": commit, "weight_bytes": weight_bytes, "args": vars(args)}
     rows, plain_ms = [], {}
     cols = ["backend", "batch", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms",
-            "device_accept", "ms_per_token", "speedup_vs_plain", "overlap_period_ms", "normal_period_ms", "overlap_tok_s",
-            "normal_tok_s", "host_total_ms", "host_total_mean_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
+            "device_no_history_ms", "device_accept", "ms_per_token", "speedup_vs_plain", "overlap_period_ms",
+            "normal_period_ms", "overlap_tok_s", "normal_tok_s", "host_total_ms", "host_total_mean_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
     if args.compare_single_executable or args.compare_per_layer:
         cols.append("host_launch_ms")
     for name, on in (("single_exec", args.compare_single_executable), ("per_layer", args.compare_per_layer)):
@@ -242,7 +264,12 @@ def main():
             run_workload(engine, args, B, 4, seed=99)  # compile this batch's programs
             compile_s = time.perf_counter() - tc
             ctx = last_ctx_bucket(engine, args)
-            dev_ms, dev_accept = device_step_ms(engine, B, ctx, args.device_iters)
+            sp = sampling_params(args, args.new_tokens, 0)
+            sampling = sp.temperature > 0 or sp.uses_history  # the program the workload runs (runner.batch_samples)
+            dev_ms, dev_accept = device_step_ms(engine, B, ctx, args.device_iters, sampling)
+            no_history_ms = float("nan")
+            if sampling and engine.runner.state.penalty is not None:
+                no_history_ms = device_step_ms(engine, B, ctx, args.device_iters, sampling, history=False)[0]
             res = {}
             for overlap in (True, False):
                 engine.set_overlap(overlap)
@@ -273,7 +300,8 @@ def main():
                 "backend": backend, "batch": B, "algo": algo, "compile_s": compile_s, "ctx_len": ctx,
                 # False where speculation is paused at this batch size (--disable-by-batch-size)
                 "drafts": algo != "plain" and (args.disable_by_batch_size is None or B <= args.disable_by_batch_size),
-                "device_step_ms": dev_ms, "device_accept": dev_accept,
+                "device_step_ms": dev_ms, "device_accept": dev_accept, "sampling_program": sampling,
+                "device_no_history_ms": no_history_ms,
                 "accept_length": ov["accept_length"], "normal_accept_length": no["accept_length"],
                 "ms_per_token": ms_per_token,
                 "speedup_vs_plain": (plain_ms[backend, B] / ms_per_token if (backend, B) in plain_ms

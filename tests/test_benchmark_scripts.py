@@ -51,6 +51,12 @@ def test_spec_bench(tmp_path):
     assert rows["plain"]["accept_length"] == 1.0
     # The prompts repeat a piece, so the n-gram drafter gets some drafts accepted.
     assert rows["ngram_device"]["accept_length"] > 1.0
+    # Sampled with a penalty: the sampling programs, timed with and without the history.
+    res = run_script(tmp_path, "spec_bench", "--tiny", "--batches", "2", "--algos", "eagle", "--device-iters", "2",
+                     "--new-tokens", "12", "--sampling-params", '{"temperature": 0.8, "presence_penalty": 0.5}')
+    [row] = res["rows"]
+    assert row["sampling_program"] and row["greedy_identical"], row  # seeded: overlap on and off agree
+    assert row["device_step_ms"] > 0 and row["device_no_history_ms"] > 0
 
 
 @pytest.mark.timeout(400)
