@@ -157,6 +157,52 @@ class LLM:
         return [(float(sum(r.prompt_logprobs[start:])), all(r.prompt_top1[start:]))
                 for r, start in zip(results, starts)]
 
+    def loglikelihood_rolling(self, texts, *, max_length: int | None = None, prefix_token_id: int | None = None,
+                              use_tqdm: bool = False) -> list[float]:
+        """For whole texts, as perplexity evaluations score them (lm-eval's
+        loglikelihood_rolling): the sum of log P(token | the tokens before it) over every
+        token of each text (text, encoded without special tokens, or token ids). The first
+        token is conditioned on `prefix_token_id` (default: the tokenizer's BOS, else its
+        first EOS id, as lm-eval does).
+
+        A text longer than `max_length` tokens (default and at most the context less two: a
+        window's prompt plus the one token each request generates) is scored in disjoint
+        windows of `max_length` predicted tokens, as lm-eval's rolling windows with a
+        context of one: the first token of each later window sees the `max_length` tokens
+        before it only up to that window's end. Every window is one request with
+        prompt_logprobs, scored from its first predicted token."""
+        limit = self.engine.max_context_len - 2
+        max_length = limit if max_length is None else max_length
+        if not 1 <= max_length <= limit:
+            raise InvalidRequestError(f"max_length must be in [1, {limit}] (the context less two), got {max_length}")
+        if prefix_token_id is None:
+            tok = self.engine.tokenizer
+            ids = ([tok.bos_token_id] if tok is not None and tok.bos_token_id is not None else []) + sorted(
+                self.engine.eos_token_ids)
+            if not ids:
+                raise InvalidRequestError("no BOS or EOS token to condition the first token on: pass prefix_token_id")
+            prefix_token_id = ids[0]
+        prompts, starts, owners = [], [], []
+        for t, text in enumerate(texts):
+            seq = [int(prefix_token_id)] + self._ids_of(text, special=False)  # seq[j + 1] is the text's token j
+            n = len(seq) - 1
+            if n == 0:
+                raise InvalidRequestError("loglikelihood_rolling needs a non-empty text")
+            end = 0  # tokens predicted so far
+            while end < n:
+                count = min(max_length, n - end)
+                end += count
+                first = max(0, end - max_length)  # the window's input: tokens end - max_length - 1 .. end - 2
+                prompts.append(seq[first : end + 1])  # [input tokens..., the last predicted token]
+                starts.append(end + 1 - count - first)
+                owners.append(t)
+        params = [SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=True,
+                                 prompt_logprobs_start=start, detokenize=False) for start in starts]
+        totals = [0.0] * len(texts)
+        for index, r in self.generate_unordered(prompts, params, use_tqdm=use_tqdm):
+            totals[owners[index]] += float(sum(r.prompt_logprobs[starts[index]:]))
+        return totals
+
     def _ids_of(self, part, *, special: bool) -> list[int]:
         if isinstance(part, str):
             if self.engine.tokenizer is None:

@@ -144,3 +144,44 @@ def test_scoring_from_a_position_shares_the_context():
     assert_drained(eng)
     with pytest.raises(InvalidRequestError, match="prompt_logprobs_start"):
         SamplingParams(prompt_logprobs=True, prompt_logprobs_start=0)
+
+
+def test_loglikelihood_rolling_scores_every_token_in_lm_evals_windows():
+    """LLM.loglikelihood_rolling: a text inside one window is the loglikelihood of the whole
+    text after the prefix token; a longer one is scored in disjoint windows, each token
+    with the context lm-eval's rolling windows give it (checked token by token against one
+    scoring request per token)."""
+    from jaxoverlap import LLM
+
+    llm = LLM(None, max_running_requests=4, max_context_len=40, kv_cache_tokens=1024, page_size=8)
+    vocab = llm.engine.model_config.vocab_size
+    rng = np.random.default_rng(7)
+    short = [int(t) for t in rng.integers(3, vocab, size=20)]
+    long = [int(t) for t in rng.integers(3, vocab, size=47)]
+    prefix = llm.tokenizer.bos_token_id if llm.tokenizer.bos_token_id is not None else min(llm.engine.eos_token_ids)
+    got = llm.loglikelihood_rolling([short, long, "Once upon a time"], max_length=10)
+    whole = llm.loglikelihood_rolling([short])  # one window (default max_length: the context less two)
+    assert whole[0] == pytest.approx(llm.loglikelihood([([prefix], short)])[0][0], abs=1e-4)
+
+    # Token j of the long text lies in window j // 10 (the last one ends at the text's end);
+    # its context starts max_length tokens before that window's end, or at the prefix.
+    seq, L = [prefix] + long, 10
+    prompts, params = [], []
+    for j in range(len(long)):
+        window_end = min(len(long), (j // L + 1) * L)
+        context = seq[max(0, window_end - L): j + 1]
+        prompts.append(context + [long[j]])
+        params.append(SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True,
+                                     prompt_logprobs_start=len(context), detokenize=False))
+    per_token = [r.prompt_logprobs[-1] for r in llm.generate(prompts, params)]
+    assert got[1] == pytest.approx(sum(per_token), abs=1e-3)
+    assert got[0] == pytest.approx(llm.loglikelihood([([prefix], short[:10])])[0][0]
+                                   + llm.loglikelihood_rolling([short[10:]], max_length=10, prefix_token_id=short[9])[0]
+                                   , abs=1e-3)
+    assert got[2] < 0
+    for bad, match in (({"max_length": 0}, "max_length"), ({"max_length": 39}, "max_length")):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.loglikelihood_rolling([short], **bad)
+    with pytest.raises(InvalidRequestError, match="non-empty"):
+        llm.loglikelihood_rolling([[]])
+    llm.close()
