@@ -1,0 +1,68 @@
+"""jaxoverlap/lm_eval_model.py: lm-evaluation-harness requests on the LLM API, with
+duck-typed requests (objects with `.args`, as lm-eval's Instance), so that lm-eval need not
+be installed; where it is, the model is registered under "jaxoverlap" and is an lm-eval LM."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxoverlap import LLM, SamplingParams
+from jaxoverlap.lm_eval_model import JaxOverlapLM
+
+
+@dataclasses.dataclass
+class Request:  # what lm-eval's Instance hands a model: the request's arguments
+    args: tuple
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return JaxOverlapLM(llm=LLM(None, max_running_requests=4, max_context_len=64, kv_cache_tokens=1024,
+                                page_size=8))
+
+
+def test_loglikelihood_splits_pairs_as_lm_eval(lm):
+    tok = lm.tokenizer
+    pairs = [("The little dog", " ran home"), ("The little dog ", "ran home"), ("", "Once upon a time")]
+    got = lm.loglikelihood([Request(p) for p in pairs], disable_tqdm=True)
+    # A trailing space moves to the continuation: the same split as the pair without it.
+    ctx = tok.encode("The little dog")
+    cont = tok.encode("The little dog ran home")[len(ctx):]
+    want = lm.llm.loglikelihood([(ctx, cont), ([lm._prefix_id()], tok.encode(
+        "Once upon a time", add_special_tokens=False))])
+    assert got[0] == got[1] == pytest.approx(want[0], abs=1e-5)
+    assert got[2] == pytest.approx(want[1], abs=1e-5)
+    assert all(lp < 0 for lp, _ in got)
+    # A pair longer than the context keeps its last tokens instead of failing.
+    [(lp, _)] = lm.loglikelihood([Request(("word " * 200, "end"))], disable_tqdm=True)
+    assert lp < 0
+
+
+def test_loglikelihood_rolling_is_the_llms(lm):
+    text = "Once upon a time there was a little dog who liked to run in the park every day."
+    [got] = lm.loglikelihood_rolling([Request((text,))], disable_tqdm=True)
+    assert got == pytest.approx(lm.llm.loglikelihood_rolling([text])[0], abs=1e-5) and got < 0
+
+
+def test_generate_until_stops_and_truncates(lm):
+    context = "Once upon a time"
+    [plain] = lm.llm.generate([context], SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert len(plain.text) > 4
+    stop = plain.text[2:4]  # a stop string the greedy text contains
+    got = lm.generate_until([
+        Request((context, {"until": [stop], "max_gen_toks": 12, "do_sample": False, "temperature": 0.7})),
+        Request((context, {"until": "\n\n\n", "max_gen_toks": 12})),
+        Request(("word " * 200, {"until": ["\n"], "max_gen_toks": 5})),  # longer than the context: left-truncated
+        Request(("", {"max_gen_toks": 3})),
+    ], disable_tqdm=True)
+    assert got[0] == plain.text.split(stop)[0]  # greedy: do_sample False overrides the temperature
+    assert got[1] == plain.text.split("\n\n\n")[0]
+    assert isinstance(got[2], str) and isinstance(got[3], str)
+
+
+def test_registered_with_lm_eval_where_installed(lm):
+    api = pytest.importorskip("lm_eval.api")
+    from lm_eval.api.registry import get_model
+
+    assert get_model("jaxoverlap") is JaxOverlapLM and isinstance(lm, api.model.LM)
