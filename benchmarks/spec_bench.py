@@ -206,7 +206,8 @@ def main():
                     help="keep the prefix cache on (the overlap-off run then reuses the first run's pages)")
     ap.add_argument("--new-tokens", type=int, default=120)
     ap.add_argument("--sampling-params", type=json.loads, default={},
-                    help='SamplingParams fields as JSON for every request, e.g. \'{"temperature": 0.8}\' (default greedy)')
+                    help='SamplingParams fields as JSON for every request, e.g. \'{"temperature": 0.8}\' '
+                         "(default greedy)")
     ap.add_argument("--max-context-len", type=int, default=512)
     ap.add_argument("--device-iters", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
@@ -249,7 +250,8 @@ def main():
     rows, plain_ms = [], {}
     cols = ["backend", "batch", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms",
             "device_no_history_ms", "device_accept", "ms_per_token", "speedup_vs_plain", "overlap_period_ms",
-            "normal_period_ms", "overlap_tok_s", "normal_tok_s", "host_total_ms", "host_total_mean_ms", "ngram_wait_ms", "draft_ms", "greedy_identical"]
+            "normal_period_ms", "overlap_tok_s", "normal_tok_s", "host_total_ms", "host_total_mean_ms", "ngram_wait_ms",
+            "draft_ms", "greedy_identical"]
     if args.compare_single_executable or args.compare_per_layer:
         cols.append("host_launch_ms")
     for name, on in (("single_exec", args.compare_single_executable), ("per_layer", args.compare_per_layer)):

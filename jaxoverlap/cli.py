@@ -106,7 +106,8 @@ def sampling_params(args: argparse.Namespace):
 
     return SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, seed=args.sampling_seed, n=args.n, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
+        min_p=args.min_p, seed=args.sampling_seed, n=args.n, stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos, logprobs=args.logprobs, top_logprobs=args.top_logprobs,
         prompt_logprobs=args.prompt_logprobs, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens, logit_bias=args.logit_bias or (),
@@ -143,7 +144,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = args.prompts[i // params.n]  # results[n * p + k]: sample k of prompt p
         if args.json:
             print(json.dumps({
-                "prompt": prompt, **({"sample_index": r.sample_index} if params.n > 1 else {}), "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                "prompt": prompt, **({"sample_index": r.sample_index} if params.n > 1 else {}),
+                "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                 "ttft_s": r.metrics.time_to_first_token, "tokens_per_s": r.metrics.tokens_per_second,
                 **({"logprobs": r.logprobs} if r.logprobs is not None else {}),
                 **({"top_logprobs": r.top_logprobs} if r.top_logprobs is not None else {}),

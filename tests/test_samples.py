@@ -67,9 +67,9 @@ def test_a_list_of_params_with_different_n_and_unordered_results(llm):
     got = [(i, r.sample_index) for i, r in llm.generate_unordered(prompts, params)]
     assert sorted(got) == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (2, 2)]
     results = llm.generate(prompts, params)
+    first, second = len(results[0].prompt_token_ids), len(results[2].prompt_token_ids)
     assert [(len(r.prompt_token_ids), r.sample_index) for r in results] == [
-        (len(results[0].prompt_token_ids), 0), (len(results[0].prompt_token_ids), 1), (len(results[2].prompt_token_ids), 0),
-        (3, 0), (3, 1), (3, 2)]
+        (first, 0), (first, 1), (second, 0), (3, 0), (3, 1), (3, 2)]
     greedy = llm.generate("Hello", SamplingParams(n=2, max_new_tokens=3, temperature=0.0))
     assert greedy[0].token_ids == greedy[1].token_ids == results[2].token_ids
 
