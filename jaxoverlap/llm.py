@@ -176,12 +176,7 @@ class LLM:
         if not 1 <= max_length <= limit:
             raise InvalidRequestError(f"max_length must be in [1, {limit}] (the context less two), got {max_length}")
         if prefix_token_id is None:
-            tok = self.engine.tokenizer
-            ids = ([tok.bos_token_id] if tok is not None and tok.bos_token_id is not None else []) + sorted(
-                self.engine.eos_token_ids)
-            if not ids:
-                raise InvalidRequestError("no BOS or EOS token to condition the first token on: pass prefix_token_id")
-            prefix_token_id = ids[0]
+            prefix_token_id = self.prefix_token_id
         prompts, starts, owners = [], [], []
         for t, text in enumerate(texts):
             seq = [int(prefix_token_id)] + self._ids_of(text, special=False)  # seq[j + 1] is the text's token j
@@ -202,6 +197,17 @@ class LLM:
         for index, r in self.generate_unordered(prompts, params, use_tqdm=use_tqdm):
             totals[owners[index]] += float(sum(r.prompt_logprobs[starts[index]:]))
         return totals
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token a text's first token is conditioned on when it has no context: the
+        tokenizer's BOS, else the lowest EOS id (as lm-eval does)."""
+        tok = self.engine.tokenizer
+        if tok is not None and tok.bos_token_id is not None:
+            return tok.bos_token_id
+        if not self.engine.eos_token_ids:
+            raise InvalidRequestError("no BOS or EOS token to condition the first token on: pass prefix_token_id")
+        return min(self.engine.eos_token_ids)
 
     def _ids_of(self, part, *, special: bool) -> list[int]:
         if isinstance(part, str):

@@ -65,8 +65,7 @@ class JaxOverlapLM(_LMBase):
 
     # -- loglikelihood --------------------------------------------------------------------
     def _prefix_id(self) -> int:
-        tok = self.tokenizer
-        return tok.bos_token_id if tok.bos_token_id is not None else min(self.llm.engine.eos_token_ids)
+        return self.llm.prefix_token_id
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """lm-eval's split: encode context + continuation once, and cut where the context's
