@@ -7,6 +7,7 @@ accept length it was measured at: two runs compare only at the same accept lengt
     python benchmarks/spec_bench.py --tiny            # CPU smoke run
     python benchmarks/spec_bench.py --algos plain eagle --batches 32 \
         --sampling-params '{"temperature": 0.8, "presence_penalty": 0.5}'   # sampled, with a penalty
+    python benchmarks/spec_bench.py --batches 20 --batch-buckets 32   # 12 padded rows per step
 
 --sampling-params (SamplingParams fields as JSON; default greedy) sets every request's
 sampling; request i gets seed 1000 + i, so overlap on and off still give the same tokens.
@@ -51,7 +52,7 @@ def make_engine(args, algo, backend, model_path, cfg, params):
     return Engine(EngineConfig(
         model=model_path, load_format="dummy", dtype=args.dtype, max_running_requests=max_b, max_context_len=ctx,
         kv_cache_tokens=max_b * ctx, chunked_prefill_size=1024, max_prefill_requests=8, page_size=16,
-        batch_buckets=tuple(sorted(args.batches)), attention_backend=backend,
+        batch_buckets=tuple(sorted(args.batch_buckets or args.batches)), attention_backend=backend,
         compilation_cache_dir=args.compilation_cache_dir, disable_prefix_cache=not args.enable_prefix_cache, **spec,
     ), model_config=cfg, params=params)
 
@@ -142,10 +143,14 @@ def device_step_ms(engine, batch_size, ctx_len, iters, sampling=False, history=T
     import numpy as np
 
     from jaxoverlap import steps
+    from jaxoverlap.buckets import pick
 
     r = engine.runner
-    entries = np.arange(1, batch_size + 1, dtype=np.int32)
-    cap = max(8, batch_size * r.decode_pages_per_row)
+    # The rows of the batch's bucket past its own are padding (entry 0), as the engine sends them.
+    bucket = pick(r.batch_buckets, batch_size)
+    entries = np.zeros((bucket,), np.int32)
+    entries[:batch_size] = np.arange(1, batch_size + 1)
+    cap = max(8, bucket * r.decode_pages_per_row)
     inputs = steps.DecodeInputs.of(entries, steps.Reservations.empty(cap))
 
     penalty = r.state.penalty
@@ -168,8 +173,8 @@ def device_step_ms(engine, batch_size, ctx_len, iters, sampling=False, history=T
         draft = r.draft_max_rows is None or batch_size <= r.draft_max_rows
         spec = r.spec if draft else r.paused_spec  # the program the engine runs at this batch size
         if draft and r.spec.host_drafts:  # the device cost only; the host lookup is measured in the workload
-            host = HostDrafts(np.zeros((batch_size, r.spec.num_draft), np.int32),
-                              np.full((batch_size,), r.spec.num_draft, np.int32))
+            host = HostDrafts(np.zeros((bucket, r.spec.num_draft), np.int32),
+                              np.full((bucket,), r.spec.num_draft, np.int32))
 
         def call():
             r.state, out = spec_decode_step(r.params, r.drafter.params, r.state, inputs, host,
@@ -198,6 +203,9 @@ def device_step_ms(engine, batch_size, ctx_len, iters, sampling=False, history=T
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--batch-buckets", type=int, nargs="+", default=None,
+                    help="the engine's batch buckets (default: the batches); a batch below its bucket "
+                         "runs with padded rows")
     ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
     ap.add_argument("--num-steps", type=int, default=3, help="draft tokens per step (window = 1 + this)")
     ap.add_argument("--prompt-len", type=int, default=127)
@@ -232,6 +240,7 @@ def main():
     import jax
     import jax.numpy as jnp
 
+    from jaxoverlap.buckets import pick
     from jaxoverlap.models.config import ModelConfig
     from jaxoverlap.models.loader import dummy_params
 
@@ -248,7 +257,7 @@ def main():
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
             "commit": commit, "weight_bytes": weight_bytes, "args": vars(args)}
     rows, plain_ms = [], {}
-    cols = ["backend", "batch", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms",
+    cols = ["backend", "batch", "bucket", "algo", "drafts", "accept_length", "normal_accept_length", "device_step_ms",
             "device_no_history_ms", "device_accept", "ms_per_token", "speedup_vs_plain", "overlap_period_ms",
             "normal_period_ms", "overlap_tok_s", "normal_tok_s", "host_total_ms", "host_total_mean_ms", "ngram_wait_ms",
             "draft_ms", "greedy_identical"]
@@ -299,7 +308,8 @@ def main():
                 plain_ms[backend, B] = ov["step_period_ms"]
             ms_per_token = ov["step_period_ms"] / ov["accept_length"]
             rows.append({
-                "backend": backend, "batch": B, "algo": algo, "compile_s": compile_s, "ctx_len": ctx,
+                "backend": backend, "batch": B, "bucket": pick(engine.runner.batch_buckets, B), "algo": algo,
+                "compile_s": compile_s, "ctx_len": ctx,
                 # False where speculation is paused at this batch size (--disable-by-batch-size)
                 "drafts": algo != "plain" and (args.disable_by_batch_size is None or B <= args.disable_by_batch_size),
                 "device_step_ms": dev_ms, "device_accept": dev_accept, "sampling_program": sampling,

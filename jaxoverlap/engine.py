@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoverlap import penalties
+from jaxoverlap.buckets import PrefillShapes
 from jaxoverlap.compile_watch import CompileWatch
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.device_state import init_device_state, kv_cache_bytes_per_token
@@ -261,6 +262,9 @@ class Engine:
                 resume_with_last_token=spec is not None,
                 draft_max_rows=config.speculative_disable_by_batch_size if spec else None,
                 reserve_slack=(2 * ps if config.reserve_slack_tokens is None else config.reserve_slack_tokens),
+                # The runner's prefill shapes (ModelRunner.prefill_shapes is built the same way).
+                prefill_shapes=PrefillShapes(config.max_prefill_requests, config.chunked_prefill_size,
+                                             lead=1 if spec else 0),
             ),
             PageAllocator(num_pages, ps),
             EntryAllocator(config.max_running_requests),

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from jaxoverlap import steps
-from jaxoverlap.buckets import pick, powers_of_two_up_to
+from jaxoverlap.buckets import PrefillShapes, pick, powers_of_two_up_to
 from jaxoverlap.device_state import DeviceState
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, layers_per_stack
@@ -193,8 +193,10 @@ class ModelRunner:
         self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else powers_of_two_up_to(max_running)
         if self.batch_buckets[-1] < max_running:
             self.batch_buckets += (max_running,)
-        self.prefill_row_buckets = powers_of_two_up_to(max_prefill_requests)
-        self.prefill_len_buckets = powers_of_two_up_to(chunked_prefill_size, start=min(16, chunked_prefill_size))
+        # The speculative prefill's rows hold one more token: the one before the chunk.
+        self.prefill_shapes = PrefillShapes(max_prefill_requests, chunked_prefill_size, lead=1 if self.spec else 0)
+        self.prefill_row_buckets = self.prefill_shapes.row_buckets
+        self.prefill_len_buckets = self.prefill_shapes.len_buckets
         self.ctx_buckets = powers_of_two_up_to(table_width, start=min(table_width, max(64, page_size)))
         # Decode programs need a context bucket only where attention's cost follows the
         # static ctx_len (the XLA gather path reads ctx_len slots per row). The Pallas
@@ -449,7 +451,7 @@ class ModelRunner:
                 for ctx in (ctx_lens or self.decode_ctx_buckets) for s in sampling for d in self.decode_variants(B)]
         if prefill:
             jobs += [("prefill", R, T, ctx) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
-                     for ctx in self.prefill_ctx_buckets]
+                     for ctx in self.prefill_ctx_buckets if self.prefill_shapes.runs(R, T)]
 
         def compile_decode(B, ctx, s, draft):
             empty = steps.DecodeInputs.empty(B, self._decode_res_capacity(B))
@@ -513,11 +515,8 @@ class ModelRunner:
 
     # -- prefill ------------------------------------------------------------------------------
     def _prefill_shape(self, batch: ScheduledBatch) -> tuple[int, int]:
-        """(rows, tokens) bucket of a prefill batch. The speculative prefill's token axis
-        holds one more column: the token before the chunk."""
-        lead = 1 if self.spec else 0
-        return (pick(self.prefill_row_buckets, batch.size),
-                pick(self.prefill_len_buckets, lead + max(row.length for row in batch.rows)))
+        """(rows, tokens) bucket of a prefill batch."""
+        return self.prefill_shapes.shape(batch.size, max(row.length for row in batch.rows))
 
     def _prefill_res_capacity(self, R: int) -> int:
         return R * self.pages_per_row

@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxoverlap.buckets import PrefillShapes
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
 from jaxoverlap.request import Request, Status
@@ -52,6 +53,10 @@ class SchedulerConfig:
     # comes at least this many tokens later, instead of rows crossing page boundaries on
     # different steps and nearly every step sending some. 0: reserve only what the rule needs.
     reserve_slack: int = 0
+    # The prefill programs' shapes (the runner's): a row joins a prefill batch only with a
+    # chunk that keeps the batch's padded rows x tokens within the chunk budget
+    # (buckets.PrefillShapes). None: rows are limited by their tokens only.
+    prefill_shapes: PrefillShapes | None = None
 
 
 @dataclasses.dataclass
@@ -190,11 +195,16 @@ class Scheduler:
             and len(self.running) < self.cfg.max_running
             and self.entries.can_allocate()
         ):
+            room = budget
+            if rows and self.cfg.prefill_shapes is not None:
+                room = min(room, self.cfg.prefill_shapes.longest_chunk(len(rows), max(r.length for r in rows)))
+                if room <= 0:  # even one token would pad every row to a shape past the budget
+                    break
             req = self.waiting[0]
             if not self._admit(req, reservations, headroom):
                 break
             self.waiting.popleft()
-            budget -= self._add_chunk(req, rows, budget)
+            budget -= self._add_chunk(req, rows, room)
         if not rows:
             return None
         ctx_len = max(r.start + r.length for r in rows)

@@ -19,7 +19,7 @@ from jaxoverlap import penalties
 from jaxoverlap.device_state import DeviceState, Relay
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
-from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
+from jaxoverlap.models.transformer import dropped_where_invalid, forward, lm_logits, xla_paged_attention
 from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
 from jaxoverlap.sampling_params import MAX_TOP_LOGPROBS
@@ -98,8 +98,7 @@ class Reservations:
 
     One [3, N] int32 array (entries; page indices; pages): one buffer for a prefill, and
     part of the one input array of a decode step (DecodeInputs). Padded to a fixed
-    capacity with (entry 0, block 0, page 0), which rewrites the dummy row with the dummy
-    page: harmless.
+    capacity with (entry 0, block 0, page 0), which `apply_reservations` skips.
     """
 
     table: jax.Array  # [3, N] int32
@@ -175,8 +174,11 @@ def apply_reservations(req_to_token: jax.Array, res: Reservations, page_size: in
     offsets = jnp.arange(page_size, dtype=jnp.int32)
     cols = res.page_index[:, None] * page_size + offsets  # [N, page_size] positions
     slots = res.pages[:, None] * page_size + offsets  # [N, page_size] slot numbers
-    rows = jnp.broadcast_to(res.entries[:, None], cols.shape)
-    return req_to_token.at[rows, cols].set(slots)
+    # Padding (entry 0, the dummy row, which no reservation names) writes nothing, rather
+    # than colliding writes into row 0 (see dropped_where_invalid).
+    rows = dropped_where_invalid(res.entries, res.entries != 0, req_to_token.shape[0])  # [N]
+    rows = jnp.broadcast_to(rows[:, None], cols.shape)  # [N] -> [N, page_size]
+    return req_to_token.at[rows, cols].set(slots, mode="drop")
 
 
 def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay:

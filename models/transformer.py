@@ -70,6 +70,25 @@ def gated_mlp(h: jax.Array, lw: LayerParams) -> jax.Array:
     return jnp.dot(jax.nn.silu(gate) * up, lw.w_down)  # [R, Q, D]
 
 
+def dropped_where_invalid(indices: jax.Array, valid: jax.Array, end: int) -> jax.Array:
+    """Scatter indices (any shape) whose invalid entries become distinct indices from `end`
+    on (past the target's end), which a scatter with mode="drop" skips.
+
+    Padding must write nothing and must not share one index: colliding updates are what
+    XLA's GPU scatter serializes. Padded prefill tokens sent to slot 0 of the dummy page
+    cost about 1.4 ms each on the H100: 21 s for a prefill of 8 rows x 2048 tokens with 1536
+    real (benchmarks/RESULTS.md, 2026-12-05, seventh session)."""
+    past_end = end + jnp.arange(indices.size, dtype=indices.dtype).reshape(indices.shape)
+    return jnp.where(valid, indices, past_end)
+
+
+def write_cache(cache: jax.Array, layer: int, slots: jax.Array, valid: jax.Array, values: jax.Array) -> jax.Array:
+    """cache[layer, slots[t]] = values[t] for every token t with valid[t]; the others write
+    nothing. cache: [L, S, KVH, HD]; slots, valid: [N]; values: [N, KVH, HD]."""
+    slots = dropped_where_invalid(slots, valid, cache.shape[1])
+    return cache.at[layer, slots].set(values.astype(cache.dtype), mode="drop")
+
+
 def forward(
     params: ModelParams,
     cfg: ModelConfig,
@@ -94,10 +113,12 @@ def forward(
     H, KVH, HD = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     table_width = req_to_token.shape[1]
     # Where each new token's K/V goes. Invalid (padded) tokens and positions past the table
-    # go to slot 0 of the dummy page, which no request reads.
+    # write nothing (`write_cache`); the fused decode kernel sends them to slot 0 of the
+    # dummy page, which no request reads.
     in_table = q_valid & (positions < table_width)
     slots = jnp.where(in_table, req_to_token[entries[:, None], jnp.minimum(positions, table_width - 1)], 0)
-    slots = slots.reshape(R * Q)  # [R*Q]
+    slots = slots.reshape(R * Q)  # [R, Q] -> [R*Q]
+    writes = in_table.reshape(R * Q)  # [R, Q] -> [R*Q]
     inv_freq = cfg.rope_inv_freq()
     scale = 1.0 / float(np.sqrt(HD))
     # One kernel per layer for norm + RoPE + cache write + attention of one-token rows, where
@@ -147,8 +168,8 @@ def forward(
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             # The cache buffers are donated by the step, so these scatters update in place.
-            k_cache = k_cache.at[i, slots].set(k.reshape(R * Q, KVH, HD).astype(k_cache.dtype))
-            v_cache = v_cache.at[i, slots].set(v.reshape(R * Q, KVH, HD).astype(v_cache.dtype))
+            k_cache = write_cache(k_cache, i, slots, writes, k.reshape(R * Q, KVH, HD))  # [R, Q, KVH, HD] -> [R*Q, ...]
+            v_cache = write_cache(v_cache, i, slots, writes, v.reshape(R * Q, KVH, HD))
             o = attention(q, k_cache, v_cache, i, req_to_token, entries, positions, kv_lens, scale=scale,
                           ctx_len=ctx_len)
         x, h = add_norm(x, jnp.dot(o.reshape(R, Q, H * HD), lw.wo), params.mlp_norm, i)  # [R, Q, D]

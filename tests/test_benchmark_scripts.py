@@ -51,10 +51,13 @@ def test_spec_bench(tmp_path):
     assert rows["plain"]["accept_length"] == 1.0
     # The prompts repeat a piece, so the n-gram drafter gets some drafts accepted.
     assert rows["ngram_device"]["accept_length"] > 1.0
-    # Sampled with a penalty: the sampling programs, timed with and without the history.
-    res = run_script(tmp_path, "spec_bench", "--tiny", "--batches", "2", "--algos", "eagle", "--device-iters", "2",
-                     "--new-tokens", "12", "--sampling-params", '{"temperature": 0.8, "presence_penalty": 0.5}')
+    # Sampled with a penalty: the sampling programs, timed with and without the history;
+    # 2 rows in the bucket of 4, so that the steps carry padded rows.
+    res = run_script(tmp_path, "spec_bench", "--tiny", "--batches", "2", "--batch-buckets", "4", "--algos", "eagle",
+                     "--device-iters", "2", "--new-tokens", "12",
+                     "--sampling-params", '{"temperature": 0.8, "presence_penalty": 0.5}')
     [row] = res["rows"]
+    assert row["bucket"] == 4
     assert row["sampling_program"] and row["greedy_identical"], row  # seeded: overlap on and off agree
     assert row["device_step_ms"] > 0 and row["device_no_history_ms"] > 0
 
@@ -138,3 +141,15 @@ def test_prefill_ctx_bench(tmp_path):
     (row,) = res["rows"]
     assert (row["rows"], row["tokens"]) == (2, 32)
     assert all(row[f"{v}_ms"] > 0 for v in ("bucket", "table", "greedy", "logprobs"))
+
+
+@pytest.mark.timeout(400)
+def test_prefill_rows_probe(tmp_path):
+    res = run_script(tmp_path, "prefill_rows_probe", "--tiny", "--runs", "1", "--num-requests", "4",
+                     "--system-len", "40", "--user-len", "8", "--chunked-prefill-size", "64")
+    launched = [p for r in res["rows"] for p in r["launched_prefill"]]
+    # Cache on: the first prompt alone (a second row would pad both to 64), then the three
+    # users' own tokens after the two shared pages of 16; cache off: one prompt per step.
+    assert [lens for _, lens, _ in launched[:2]] == [[48], [16, 16, 16]]
+    assert [lens for _, lens, _ in launched[2:]] == [[48]] * 4
+    assert all(R * T <= 64 or R == 1 for (R, T), _, _ in launched)

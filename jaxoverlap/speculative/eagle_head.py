@@ -17,7 +17,7 @@ import numpy as np
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.eagle import EagleParams
 from jaxoverlap.models.params import ModelParams
-from jaxoverlap.models.transformer import apply_rope, gated_mlp, lm_logits, rms_norm, split_qkv
+from jaxoverlap.models.transformer import apply_rope, gated_mlp, lm_logits, rms_norm, split_qkv, write_cache
 
 
 def head_table(req_to_token: jax.Array, entries: jax.Array) -> jax.Array:
@@ -69,10 +69,10 @@ def head_forward(
     inv_freq = hcfg.rope_inv_freq()
     q = apply_rope(q, cols, inv_freq)
     k = apply_rope(k, cols, inv_freq)
-    flat = slots.reshape(B * Q)  # [B*Q]
+    flat, writes = slots.reshape(B * Q), in_table.reshape(B * Q)  # [B, Q] -> [B*Q]
     # [B, Q, KVH, HD] -> [B*Q, KVH, HD], one row per slot; the donated caches update in place.
-    k_cache = k_cache.at[0, flat].set(k.reshape(B * Q, KVH, HD).astype(k_cache.dtype))
-    v_cache = v_cache.at[0, flat].set(v.reshape(B * Q, KVH, HD).astype(v_cache.dtype))
+    k_cache = write_cache(k_cache, 0, flat, writes, k.reshape(B * Q, KVH, HD))
+    v_cache = write_cache(v_cache, 0, flat, writes, v.reshape(B * Q, KVH, HD))
     rows = jnp.arange(B, dtype=jnp.int32)  # the table is already gathered per row
     o = attention(q, k_cache, v_cache, 0, table, rows, cols, kv_lens, scale=1.0 / float(np.sqrt(HD)), ctx_len=ctx_len)
     x = x + jnp.dot(o.reshape(B, Q, H * HD), hp.layer.wo)  # [B, Q, D]

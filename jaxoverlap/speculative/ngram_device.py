@@ -17,13 +17,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxoverlap.models.transformer import dropped_where_invalid
+
 
 def write_tokens(slot_tokens: jax.Array, req_to_token: jax.Array, entries, positions, tokens, valid) -> jax.Array:
-    """Record tokens [R, Q] at positions [R, Q] where valid [R, Q]; the rest go to slot 0."""
+    """Record tokens [R, Q] at positions [R, Q] where valid [R, Q]; the rest write nothing
+    (see dropped_where_invalid)."""
     width = req_to_token.shape[1]
     ok = valid & (positions >= 0) & (positions < width)
-    slots = jnp.where(ok, req_to_token[entries[:, None], jnp.clip(positions, 0, width - 1)], 0)  # [R, Q]
-    return slot_tokens.at[slots.reshape(-1)].set(jnp.where(ok, tokens, 0).reshape(-1))  # [R, Q] -> [R*Q]
+    slots = req_to_token[entries[:, None], jnp.clip(positions, 0, width - 1)]  # [R, Q]
+    slots = dropped_where_invalid(slots, ok, slot_tokens.shape[0]).reshape(-1)  # [R, Q] -> [R*Q]
+    return slot_tokens.at[slots].set(tokens.reshape(-1).astype(slot_tokens.dtype), mode="drop")
 
 
 def propose(slot_tokens: jax.Array, req_to_token: jax.Array, *, entries, lens, bonus, num_draft: int,

@@ -1,0 +1,152 @@
+"""Padding costs nothing it need not: padded tokens and reservations write nothing (their
+scatter indices are distinct and past the end, because colliding indices are what XLA's
+GPU scatter serializes), and a prefill batch's padded rows x tokens stay within the chunk
+budget (buckets.PrefillShapes, applied by the scheduler)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_fixtures import make_engine, run_workload
+from fake_device import FakeDevice, drive
+from fake_device import make_request as req
+from jaxoverlap.buckets import PrefillShapes
+from jaxoverlap.models.transformer import dropped_where_invalid, write_cache
+from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
+from jaxoverlap.prefix_cache import PrefixCache
+from jaxoverlap.sampling_params import SamplingParams
+from jaxoverlap.scheduler import Scheduler, SchedulerConfig
+from jaxoverlap.speculative.ngram_device import write_tokens
+from jaxoverlap.steps import Reservations, apply_reservations
+
+
+# -- padding writes nothing --------------------------------------------------------------------
+def test_invalid_indices_become_distinct_and_past_the_end():
+    idx = jnp.array([[3, 0, 0], [0, 7, 0]], jnp.int32)
+    valid = jnp.array([[True, False, False], [False, True, False]])
+    out = np.asarray(dropped_where_invalid(idx, valid, 10))
+    assert out.shape == (2, 3)
+    assert out[0, 0] == 3 and out[1, 1] == 7
+    dropped = out[~np.asarray(valid)]
+    assert (dropped >= 10).all() and len(set(dropped.tolist())) == dropped.size
+
+
+def test_write_cache_writes_valid_tokens_only():
+    cache = jnp.zeros((2, 8, 1, 2), jnp.float32)  # [L, S, KVH, HD]
+    slots = jnp.array([3, 0, 5, 0], jnp.int32)
+    valid = jnp.array([True, False, True, False])
+    values = jnp.arange(1, 5, dtype=jnp.float32)[:, None, None] * jnp.ones((4, 1, 2))  # token t holds t + 1
+    out = np.asarray(write_cache(cache, 1, slots, valid, values))
+    want = np.zeros((2, 8, 1, 2), np.float32)
+    want[1, 3], want[1, 5] = 1.0, 3.0
+    np.testing.assert_array_equal(out, want)  # slot 0 (the padding's old target) untouched
+
+
+def test_padded_reservations_leave_the_dummy_row_alone():
+    table = jnp.full((3, 8), 9, jnp.int32)  # [E, W]; 9 marks "not written"
+    res = Reservations.of(entries=[2, 0, 0], page_index=[1, 0, 0], pages=[3, 0, 0])
+    out = np.asarray(apply_reservations(table, res, page_size=4))
+    assert out[2, 4:].tolist() == [12, 13, 14, 15]
+    assert (out[0] == 9).all() and (out[1] == 9).all() and (out[2, :4] == 9).all()
+
+
+def test_ngram_history_records_valid_tokens_only():
+    slot_tokens = jnp.full((16,), -1, jnp.int32)
+    table = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)  # entry 1 maps position p to slot 8 + p
+    out = np.asarray(write_tokens(slot_tokens, table, entries=jnp.array([1, 0]),
+                                  positions=jnp.array([[0, 1], [0, 0]]), tokens=jnp.array([[5, 6], [7, 7]]),
+                                  valid=jnp.array([[True, True], [False, False]])))
+    assert out[8] == 5 and out[9] == 6
+    assert (np.delete(out, [8, 9]) == -1).all()
+
+
+def test_padded_steps_leave_the_dummy_page_unwritten():
+    """A workload whose prefills and decode steps carry padded rows and tokens (odd prompt
+    lengths, batches below their bucket) never writes the dummy page's K/V slots, where
+    padding used to go (XLA path: the padding is dropped)."""
+    engine = make_engine(kv_cache_tokens=1024)
+    ps = engine.config.page_size
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [(f"a{i}", [3 + i] * (5 + 7 * i), greedy) for i in range(3)],
+                2: [("b", [8] * 29, greedy)]}
+    finals = run_workload(engine, arrivals)
+    assert len(finals) == 4 and all(len(o.token_ids) == 6 for o in finals.values())
+    state = engine.runner.state
+    for cache in (state.k_cache, state.v_cache):
+        assert not np.asarray(cache[:, :ps]).any()  # [L, S, KVH, HD]: slots of page 0
+    assert np.asarray(state.k_cache[:, ps:]).any()  # real pages were written
+
+
+# -- prefill shapes within the chunk budget ------------------------------------------------------
+def test_prefill_shapes_rule():
+    shapes = PrefillShapes(max_prefill_requests=8, chunked_prefill_size=2048)
+    assert shapes.row_buckets == (1, 2, 4, 8) and shapes.len_buckets[0] == 16 and shapes.len_buckets[-1] == 2048
+    assert shapes.shape(3, 300) == (4, 512)
+    assert shapes.runs(1, 2048) and shapes.runs(8, 256) and shapes.runs(2, 1024)
+    assert not shapes.runs(8, 2048) and not shapes.runs(2, 2048)
+    assert shapes.longest_chunk(1, 1088) == 0  # a second row would pad both to 2048
+    assert shapes.longest_chunk(1, 100) == 1024  # 2 rows x 1024
+    assert shapes.longest_chunk(3, 64) == 512  # 4 rows x 512
+    assert shapes.longest_chunk(8, 16) == 0  # no row bucket left
+    # The speculative prefill's rows hold the token before the chunk too.
+    spec = PrefillShapes(8, 2048, lead=1)
+    assert spec.shape(1, 2047) == (1, 2048) and spec.longest_chunk(1, 100) == 1023
+
+
+def _scheduler(shapes: bool, chunk=64, max_prefill=4, page_size=4):
+    max_context, max_running = 128, 8
+    cfg = SchedulerConfig(page_size=page_size, max_running=max_running, chunked_prefill_size=chunk,
+                          max_prefill_requests=max_prefill, max_context_len=max_context, table_width=max_context,
+                          prefill_shapes=PrefillShapes(max_prefill, chunk) if shapes else None)
+    sched = Scheduler(cfg, PageAllocator(256, page_size), EntryAllocator(max_running), PrefixCache(page_size, True))
+    return sched, FakeDevice(max_running + 1, max_context, page_size)
+
+
+def _prefill_batches(sched, dev, arrivals):
+    seen, schedule = [], sched.schedule
+
+    def recording():
+        batch = schedule()
+        if batch is not None and batch.kind == "prefill":
+            seen.append([row.length for row in batch.rows])
+        return batch
+
+    sched.schedule = recording
+    done = drive(sched, dev, arrivals)
+    return seen, done
+
+
+@pytest.mark.parametrize("shapes", [True, False])
+def test_a_long_row_does_not_pad_short_ones(shapes):
+    """One long prompt with short ones behind it: with the rule the long row runs alone and
+    the short ones together; without it (the check can fail) all four share one 4 x 64 step."""
+    sched, dev = _scheduler(shapes)
+    reqs = [req(0, 40, 3)] + [req(i, 8, 3) for i in range(1, 4)]
+    seen, done = _prefill_batches(sched, dev, {0: reqs})
+    assert len(done) == 4 and all(len(r.output_ids) == 3 for r in done)
+    if shapes:
+        assert seen == [[40], [8, 8, 8]]
+    else:
+        assert seen[0] == [40, 8, 8, 8]
+
+
+def test_a_row_is_cut_to_the_shape_that_fits():
+    """A short row, then a long one: the long one gets the chunk that keeps 2 rows within
+    the budget (2 x 32) and continues in the next step."""
+    sched, dev = _scheduler(True)
+    seen, done = _prefill_batches(sched, dev, {0: [req(0, 10, 3), req(1, 40, 3)]})
+    assert seen[0] == [10, 32] and seen[1][0] == 8
+    assert len(done) == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_prefill_batch_has_a_shape_that_runs(seed):
+    rng = np.random.default_rng(seed)
+    sched, dev = _scheduler(True)
+    shapes = sched.cfg.prefill_shapes
+    arrivals = {int(t): [req(100 * int(t) + i, int(rng.integers(1, 90)), 2) for i in range(int(rng.integers(1, 5)))]
+                for t in rng.integers(0, 30, size=6)}
+    seen, done = _prefill_batches(sched, dev, arrivals)
+    assert len(done) == sum(len(v) for v in arrivals.values())
+    assert any(len(rows) > 1 for rows in seen)  # batching still happens
+    for rows in seen:
+        assert sum(rows) <= 64 and shapes.runs(*shapes.shape(len(rows), max(rows)))
