@@ -21,7 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-context-len", type=int, default=None)
-    g.add_argument("--chunked-prefill-size", type=int, default=2048)
+    g.add_argument("--chunked-prefill-size", type=int, default=2048,
+                   help="prompt tokens per prefill step at most, and padded rows x tokens")
     g.add_argument("--max-prefill-requests", type=int, default=8, help="prompts batched in one prefill step at most")
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.85)
