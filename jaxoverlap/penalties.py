@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxoverlap.sampling_params import MAX_LOGIT_BIAS
+from jaxoverlap.scatter import dropped_where_invalid, entry_rows, set_rows
 
 SEEN = 1 << 24  # history bit: the token occurs in the prompt or the output
 COUNT = SEEN - 1  # history bits 0-23: how many times the request generated the token
@@ -129,9 +130,12 @@ def record_drafts(pen: PenaltyState, entries: jax.Array, drafts: jax.Array, acce
     counted as generated. The step's last token (its bonus) is the next step's input, which
     that step records (`record_generated`), as a plain decode step's token is."""
     accepted = jnp.arange(drafts.shape[1])[None, :] < (accept_lens - 1)[:, None]  # [B, k]
-    rows = jnp.where(accepted, entries[:, None], 0)  # the rest to entry 0, adding 0
-    history = pen.history.at[rows, drafts].add(accepted.astype(jnp.int32))
-    history = history.at[rows, drafts].max(jnp.where(accepted, history[rows, drafts] | SEEN, 0))
+    # The rest, and padded rows, write nothing (jaxoverlap/scatter.py).
+    rows = dropped_where_invalid(jnp.broadcast_to(entries[:, None], drafts.shape), accepted & (entries != 0)[:, None],
+                                 pen.history.shape[0])  # [B, k]
+    history = pen.history.at[rows, drafts].add(1, mode="drop")
+    # `max`, not `set`: a token accepted twice in a row writes its cell from two places.
+    history = history.at[rows, drafts].max(history[rows, drafts] | SEEN, mode="drop")
     return dataclasses.replace(pen, history=history)
 
 
@@ -144,32 +148,33 @@ def rows(pen: PenaltyState, entries: jax.Array) -> tuple:
 
 def record_generated(pen: PenaltyState, entries: jax.Array, tokens: jax.Array) -> PenaltyState:
     """A decode step's input tokens [B] (each row's last generated token), counted once for
-    their entries [B]. Entries are distinct but for padded rows, which all use entry 0 and
-    may leave anything in its row (no request reads it)."""
+    their entries [B], which are distinct; padded rows (entry 0) write nothing."""
     old = pen.history[entries, tokens]  # [B]
-    return dataclasses.replace(pen, history=pen.history.at[entries, tokens].set((old + 1) | SEEN))
+    rows = entry_rows(entries, pen.history.shape[0])
+    return dataclasses.replace(pen, history=pen.history.at[rows, tokens].set((old + 1) | SEEN, mode="drop"))
 
 
 def record_prefill(pen: PenaltyState, entries, tokens, starts, chunk_lens, inp: PrefillPenaltyInputs) -> PenaltyState:
     """A prefill chunk of R rows: entries [R], tokens [R, Q], starts / chunk_lens [R]. A
     row's first chunk clears its entry's history and marks its stop tokens first."""
     R, Q = tokens.shape
+    E = pen.history.shape[0]
+    real = (entries != 0)[:, None]  # [R, 1]; padded rows (entry 0) write nothing (jaxoverlap/scatter.py)
     history = pen.history
-    first = inp.first[:, None]  # [R, 1]
-    history = history.at[entries].set(jnp.where(first, 0, history[entries]))  # padded rows (entry 0): unchanged
-    marked = inp.first[:, None] & (inp.stop_ids >= 0)  # [R, K]
-    stop_rows = jnp.where(marked, entries[:, None], 0)  # [R, K]; unmarked ones to entry 0
-    stop_ids = jnp.maximum(inp.stop_ids, 0)
-    history = history.at[stop_rows, stop_ids].set(jnp.where(marked, STOP, history[stop_rows, stop_ids]))
+    cleared = dropped_where_invalid(entries, inp.first & real[:, 0], E)  # [R]
+    history = history.at[cleared].set(0, mode="drop")
+    marked = inp.first[:, None] & (inp.stop_ids >= 0) & real  # [R, K]
+    stop_rows = dropped_where_invalid(jnp.broadcast_to(entries[:, None], marked.shape), marked, E)  # [R, K]
+    history = history.at[stop_rows, jnp.maximum(inp.stop_ids, 0)].set(STOP, mode="drop")
     offsets = jnp.arange(Q, dtype=jnp.int32)[None, :]
-    valid = offsets < chunk_lens[:, None]  # [R, Q]
+    valid = (offsets < chunk_lens[:, None]) & real  # [R, Q]
     generated = valid & (starts[:, None] + offsets >= inp.prompt_lens[:, None])
-    # Padding positions go to entry 0, so that no scatter below writes a request's row twice
+    # Padding positions write nothing, so that no scatter below writes a request's row twice
     # with different values (a row's token 0 may be both a real and a padding position).
-    rows = jnp.where(valid, entries[:, None], 0)  # [R, Q]
-    history = history.at[rows, tokens].add(generated.astype(jnp.int32))
-    history = history.at[rows, tokens].set(history[rows, tokens] | SEEN)
-    return PenaltyState(history=history, params=pen.params.at[entries].set(inp.params),
-                        min_end=pen.min_end.at[entries].set(inp.min_end),
-                        bias_ids=pen.bias_ids.at[entries].set(inp.bias_ids),
-                        bias_values=pen.bias_values.at[entries].set(inp.bias_values))
+    rows = dropped_where_invalid(jnp.broadcast_to(entries[:, None], (R, Q)), valid, E)  # [R, Q]
+    history = history.at[rows, tokens].add(generated.astype(jnp.int32), mode="drop")
+    history = history.at[rows, tokens].set(history[rows, tokens] | SEEN, mode="drop")
+    return PenaltyState(history=history, params=set_rows(pen.params, entries, inp.params),
+                        min_end=set_rows(pen.min_end, entries, inp.min_end),
+                        bias_ids=set_rows(pen.bias_ids, entries, inp.bias_ids),
+                        bias_values=set_rows(pen.bias_values, entries, inp.bias_values))

@@ -19,10 +19,11 @@ from jaxoverlap import penalties
 from jaxoverlap.device_state import DeviceState, Relay
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
-from jaxoverlap.models.transformer import dropped_where_invalid, forward, lm_logits, xla_paged_attention
+from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
 from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
 from jaxoverlap.sampling_params import MAX_TOP_LOGPROBS
+from jaxoverlap.scatter import dropped_where_invalid, set_rows
 
 
 def pack_for_host(*columns: jax.Array) -> jax.Array:
@@ -175,22 +176,19 @@ def apply_reservations(req_to_token: jax.Array, res: Reservations, page_size: in
     cols = res.page_index[:, None] * page_size + offsets  # [N, page_size] positions
     slots = res.pages[:, None] * page_size + offsets  # [N, page_size] slot numbers
     # Padding (entry 0, the dummy row, which no reservation names) writes nothing, rather
-    # than colliding writes into row 0 (see dropped_where_invalid).
+    # than colliding writes into row 0 (jaxoverlap/scatter.py).
     rows = dropped_where_invalid(res.entries, res.entries != 0, req_to_token.shape[0])  # [N]
     rows = jnp.broadcast_to(rows[:, None], cols.shape)  # [N] -> [N, page_size]
     return req_to_token.at[rows, cols].set(slots, mode="drop")
 
 
 def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay:
-    # Entry 0 is shared by every padded row: keep its length at 0 so padded rows keep
-    # reading position 0 of the dummy row, whatever they wrote.
-    new_lens = jnp.where(entries == 0, 0, new_lens)
-    updates = dict(
-        seq_lens=relay.seq_lens.at[entries].set(new_lens),
-        tokens=relay.tokens.at[entries].set(new_tokens),
-    )
+    # Padded rows (entry 0) write nothing, so entry 0 keeps length 0 and padded rows keep
+    # reading position 0 of the dummy row.
+    updates = dict(seq_lens=set_rows(relay.seq_lens, entries, new_lens),
+                   tokens=set_rows(relay.tokens, entries, new_tokens))
     for name, value in params.items():
-        updates[name] = getattr(relay, name).at[entries].set(value)
+        updates[name] = set_rows(getattr(relay, name), entries, value)
     return dataclasses.replace(relay, **updates)
 
 

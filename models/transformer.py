@@ -17,6 +17,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import LayerParams, ModelParams, layer_at, num_layers
 # The XLA gather path is the CPU production path and the reference of the Pallas kernels.
 from jaxoverlap.pallas_kernels.reference import paged_attention_ref as xla_paged_attention
+from jaxoverlap.scatter import dropped_where_invalid
 
 # attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len)
 AttentionFn = Callable[..., jax.Array]
@@ -70,21 +71,10 @@ def gated_mlp(h: jax.Array, lw: LayerParams) -> jax.Array:
     return jnp.dot(jax.nn.silu(gate) * up, lw.w_down)  # [R, Q, D]
 
 
-def dropped_where_invalid(indices: jax.Array, valid: jax.Array, end: int) -> jax.Array:
-    """Scatter indices (any shape) whose invalid entries become distinct indices from `end`
-    on (past the target's end), which a scatter with mode="drop" skips.
-
-    Padding must write nothing and must not share one index: colliding updates are what
-    XLA's GPU scatter serializes. Padded prefill tokens sent to slot 0 of the dummy page
-    cost about 1.4 ms each on the H100: 21 s for a prefill of 8 rows x 2048 tokens with 1536
-    real (benchmarks/RESULTS.md, 2026-12-05, seventh session)."""
-    past_end = end + jnp.arange(indices.size, dtype=indices.dtype).reshape(indices.shape)
-    return jnp.where(valid, indices, past_end)
-
-
 def write_cache(cache: jax.Array, layer: int, slots: jax.Array, valid: jax.Array, values: jax.Array) -> jax.Array:
     """cache[layer, slots[t]] = values[t] for every token t with valid[t]; the others write
-    nothing. cache: [L, S, KVH, HD]; slots, valid: [N]; values: [N, KVH, HD]."""
+    nothing (jaxoverlap/scatter.py says why not one shared slot). cache: [L, S, KVH, HD];
+    slots, valid: [N]; values: [N, KVH, HD]."""
     slots = dropped_where_invalid(slots, valid, cache.shape[1])
     return cache.at[layer, slots].set(values.astype(cache.dtype), mode="drop")
 

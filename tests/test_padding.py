@@ -1,7 +1,8 @@
-"""Padding costs nothing it need not: padded tokens and reservations write nothing (their
-scatter indices are distinct and past the end, because colliding indices are what XLA's
-GPU scatter serializes), and a prefill batch's padded rows x tokens stay within the chunk
-budget (buckets.PrefillShapes, applied by the scheduler)."""
+"""Padding costs nothing it need not: padded tokens, reservations and rows write nothing
+(their scatter indices are distinct and past the end, because colliding indices are what
+XLA's GPU scatter serializes: jaxoverlap/scatter.py), and a prefill batch's padded rows x
+tokens stay within the chunk budget (buckets.PrefillShapes, applied by the scheduler)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,10 +11,11 @@ from engine_fixtures import make_engine, run_workload
 from fake_device import FakeDevice, drive
 from fake_device import make_request as req
 from jaxoverlap.buckets import PrefillShapes
-from jaxoverlap.models.transformer import dropped_where_invalid, write_cache
+from jaxoverlap.models.transformer import write_cache
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
 from jaxoverlap.sampling_params import SamplingParams
+from jaxoverlap.scatter import dropped_where_invalid, set_rows
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig
 from jaxoverlap.speculative.ngram_device import write_tokens
 from jaxoverlap.steps import Reservations, apply_reservations
@@ -41,6 +43,12 @@ def test_write_cache_writes_valid_tokens_only():
     np.testing.assert_array_equal(out, want)  # slot 0 (the padding's old target) untouched
 
 
+def test_per_entry_writes_skip_entry_0():
+    array = jnp.full((4, 2), -1, jnp.int32)  # [E, D]
+    out = np.asarray(set_rows(array, jnp.array([2, 0, 3, 0]), jnp.arange(8, dtype=jnp.int32).reshape(4, 2)))
+    assert out.tolist() == [[-1, -1], [-1, -1], [0, 1], [4, 5]]
+
+
 def test_padded_reservations_leave_the_dummy_row_alone():
     table = jnp.full((3, 8), 9, jnp.int32)  # [E, W]; 9 marks "not written"
     res = Reservations.of(entries=[2, 0, 0], page_index=[1, 0, 0], pages=[3, 0, 0])
@@ -59,21 +67,32 @@ def test_ngram_history_records_valid_tokens_only():
     assert (np.delete(out, [8, 9]) == -1).all()
 
 
-def test_padded_steps_leave_the_dummy_page_unwritten():
+@pytest.mark.parametrize("algo", [None, "ngram_device"])
+def test_padded_rows_write_nothing(algo):
     """A workload whose prefills and decode steps carry padded rows and tokens (odd prompt
-    lengths, batches below their bucket) never writes the dummy page's K/V slots, where
-    padding used to go (XLA path: the padding is dropped)."""
-    engine = make_engine(kv_cache_tokens=1024)
+    lengths, batches below their bucket; one request penalized, so the penalty state is
+    written too) never writes the dummy page's K/V slots, nor entry 0's relay and penalty
+    state, where padding used to go (XLA path: the padding is dropped)."""
+    engine = make_engine(kv_cache_tokens=1024, chunked_prefill_size=64,
+                         **({"speculative_algorithm": algo} if algo else {}))
     ps = engine.config.page_size
+    state = engine.runner.state
+    entry0 = jax.tree.map(lambda x: np.asarray(x[0]), (state.relay, state.penalty))  # as initialized
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    arrivals = {0: [(f"a{i}", [3 + i] * (5 + 7 * i), greedy) for i in range(3)],
-                2: [("b", [8] * 29, greedy)]}
+    penalized = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, presence_penalty=0.5,
+                               logit_bias={3: 1.0}, min_new_tokens=2, stop_token_ids=[5])
+    # Three prompts prefill as 4 rows of 16 and decode as 4 rows: one padded row each.
+    arrivals = {0: [(f"a{i}", [3 + i] * (5 + i), greedy) for i in range(3)],
+                2: [("b", [8] * 29, penalized)]}
     finals = run_workload(engine, arrivals)
     assert len(finals) == 4 and all(len(o.token_ids) == 6 for o in finals.values())
     state = engine.runner.state
     for cache in (state.k_cache, state.v_cache):
         assert not np.asarray(cache[:, :ps]).any()  # [L, S, KVH, HD]: slots of page 0
     assert np.asarray(state.k_cache[:, ps:]).any()  # real pages were written
+    now = jax.tree.map(lambda x: np.asarray(x[0]), (state.relay, state.penalty))
+    jax.tree.map(np.testing.assert_array_equal, now, entry0)
+    assert np.asarray(state.relay.seq_lens[1:]).any()  # real entries were written
 
 
 # -- prefill shapes within the chunk budget ------------------------------------------------------

@@ -17,12 +17,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxoverlap.models.transformer import dropped_where_invalid
+from jaxoverlap.scatter import dropped_where_invalid
 
 
 def write_tokens(slot_tokens: jax.Array, req_to_token: jax.Array, entries, positions, tokens, valid) -> jax.Array:
     """Record tokens [R, Q] at positions [R, Q] where valid [R, Q]; the rest write nothing
-    (see dropped_where_invalid)."""
+    (jaxoverlap/scatter.py)."""
     width = req_to_token.shape[1]
     ok = valid & (positions >= 0) & (positions < width)
     slots = req_to_token[entries[:, None], jnp.clip(positions, 0, width - 1)]  # [R, Q]

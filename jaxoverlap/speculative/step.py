@@ -3,8 +3,8 @@
 Each is one program over (target params, drafter params, donated device state, small int
 arrays), like steps.py: nothing inside waits for the host, with or without overlap. The
 host hands a decode step entry ids and new reservations (and, for the host n-gram drafter
-only, the drafts); padded rows use entry 0, whose relay length stays 0 and whose writes go
-to the dummy page.
+only, the drafts); padded rows use entry 0 and write nothing, so its relay length stays 0
+(jaxoverlap/scatter.py).
 
 Relay writes follow the article's order (section 4.1): the new lengths right after the
 verify pass ("publish"), then the bonus token and the drafter's state after draft extend
@@ -31,6 +31,7 @@ from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
 from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
+from jaxoverlap.scatter import set_rows
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
 from jaxoverlap.speculative.verify import SamplingRows, accept
@@ -139,7 +140,8 @@ class SpecPrefillInputs:
 
 
 def _set(relay: Relay, entries, **fields) -> Relay:
-    return dataclasses.replace(relay, **{k: getattr(relay, k).at[entries].set(v) for k, v in fields.items()})
+    """Per-entry relay writes; padded rows (entry 0) write nothing (jaxoverlap/scatter.py)."""
+    return dataclasses.replace(relay, **{k: set_rows(getattr(relay, k), entries, v) for k, v in fields.items()})
 
 
 @functools.partial(
@@ -228,7 +230,7 @@ def spec_decode_step(
                                               backend=spec.accept_backend, rule_logits=rule_logits)
     if rule_rows is not None:
         penalty = penalties.record_drafts(penalty, entries, drafts, accept_len)
-    new_lens = jnp.where(real, lens + accept_len, 0)  # entry 0 stays at length 0
+    new_lens = lens + accept_len  # padded rows write nothing: entry 0 stays at length 0
     relay = _set(relay, entries, seq_lens=new_lens)
     next_token = jnp.take_along_axis(out_tokens, (accept_len - 1)[:, None], axis=1)[:, 0]  # [B] the bonus
 
@@ -312,7 +314,7 @@ def spec_prefill_step(
         stash.update(last_token=jnp.take_along_axis(inp.tokens, inp.chunk_lens[:, None], axis=1)[:, 0])
     elif spec.algorithm == "ngram_device":
         slot_tokens = ngram_device.write_tokens(slot_tokens, req_to_token, inp.entries, positions, inp.tokens, writes)
-    relay = _set(state.relay, inp.entries, seq_lens=jnp.where(inp.entries == 0, 0, kv_lens), **stash)
+    relay = _set(state.relay, inp.entries, seq_lens=kv_lens, **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
     top = top_logprobs_of(logits) if inp.top_logprobs else None
