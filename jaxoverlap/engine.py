@@ -262,7 +262,8 @@ class Engine:
                 resume_with_last_token=spec is not None,
                 draft_max_rows=config.speculative_disable_by_batch_size if spec else None,
                 reserve_slack=(2 * ps if config.reserve_slack_tokens is None else config.reserve_slack_tokens),
-                # The runner's prefill shapes (ModelRunner.prefill_shapes is built the same way).
+                # The prefill programs' shapes, for the runner too. A speculative prefill row
+                # holds one more token (the one before the chunk).
                 prefill_shapes=PrefillShapes(config.max_prefill_requests, config.chunked_prefill_size,
                                              lead=1 if spec else 0),
             ),
@@ -285,7 +286,7 @@ class Engine:
         attention = self._attention_fn()  # None: the XLA gather path
         self.runner = ModelRunner(
             params, mc, state, page_size=ps, max_running=config.max_running_requests,
-            max_prefill_requests=config.max_prefill_requests, chunked_prefill_size=config.chunked_prefill_size,
+            prefill_shapes=self.scheduler.cfg.prefill_shapes,
             table_width=table_width, batch_buckets=config.batch_buckets, attention=attention,
             drafter=self.drafter, attention_is_length_adaptive=attention is not None,  # the Pallas kernels
             draft_max_rows=config.speculative_disable_by_batch_size,

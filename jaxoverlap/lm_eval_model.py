@@ -64,14 +64,11 @@ class JaxOverlapLM(_LMBase):
         return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
 
     # -- loglikelihood --------------------------------------------------------------------
-    def _prefix_id(self) -> int:
-        return self.llm.prefix_token_id
-
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """lm-eval's split: encode context + continuation once, and cut where the context's
         own encoding ends, so that the continuation's tokens are those of the whole text."""
         if not context:
-            return [self._prefix_id()], self.tokenizer.encode(continuation, add_special_tokens=False)
+            return [self.llm.prefix_token_id], self.tokenizer.encode(continuation, add_special_tokens=False)
         spaces = len(context) - len(context.rstrip(" "))
         if spaces:  # "Question: ... Answer: " + "B" -> "... Answer:" + " B"
             context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -92,7 +89,7 @@ class JaxOverlapLM(_LMBase):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         return self.llm.loglikelihood_rolling([req.args[0] for req in requests], max_length=self.max_length,
-                                              prefix_token_id=self._prefix_id(), use_tqdm=not disable_tqdm)
+                                              prefix_token_id=self.llm.prefix_token_id, use_tqdm=not disable_tqdm)
 
     # -- generation -----------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -106,7 +103,7 @@ class JaxOverlapLM(_LMBase):
             max_gen = int(kw.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
             temperature = float(kw.pop("temperature", 0.0)) if kw.pop("do_sample", False) else 0.0
             sampling = {k: kw[k] for k in ("top_p", "top_k", "min_p", "seed") if k in kw}
-            ids = self.tokenizer.encode(context) or [self._prefix_id()]
+            ids = self.tokenizer.encode(context) or [self.llm.prefix_token_id]
             max_gen = min(max_gen, limit - 1)
             prompts.append(ids[-(limit - max_gen):])  # the context's end, leaving room for max_gen tokens
             params.append(SamplingParams(max_new_tokens=max_gen, temperature=temperature, stop=tuple(until),

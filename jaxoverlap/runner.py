@@ -163,8 +163,7 @@ class ModelRunner:
         *,
         page_size: int,
         max_running: int,
-        max_prefill_requests: int,
-        chunked_prefill_size: int,
+        prefill_shapes: PrefillShapes,
         table_width: int,
         batch_buckets: tuple[int, ...] | None = None,
         attention=None,
@@ -193,8 +192,7 @@ class ModelRunner:
         self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else powers_of_two_up_to(max_running)
         if self.batch_buckets[-1] < max_running:
             self.batch_buckets += (max_running,)
-        # The speculative prefill's rows hold one more token: the one before the chunk.
-        self.prefill_shapes = PrefillShapes(max_prefill_requests, chunked_prefill_size, lead=1 if self.spec else 0)
+        self.prefill_shapes = prefill_shapes  # the scheduler's (SchedulerConfig.prefill_shapes)
         self.prefill_row_buckets = self.prefill_shapes.row_buckets
         self.prefill_len_buckets = self.prefill_shapes.len_buckets
         self.ctx_buckets = powers_of_two_up_to(table_width, start=min(table_width, max(64, page_size)))

@@ -23,7 +23,7 @@ from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attentio
 from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
 from jaxoverlap.sampling_params import MAX_TOP_LOGPROBS
-from jaxoverlap.scatter import dropped_where_invalid, set_rows
+from jaxoverlap.scatter import entry_rows, set_rows
 
 
 def pack_for_host(*columns: jax.Array) -> jax.Array:
@@ -177,7 +177,7 @@ def apply_reservations(req_to_token: jax.Array, res: Reservations, page_size: in
     slots = res.pages[:, None] * page_size + offsets  # [N, page_size] slot numbers
     # Padding (entry 0, the dummy row, which no reservation names) writes nothing, rather
     # than colliding writes into row 0 (jaxoverlap/scatter.py).
-    rows = dropped_where_invalid(res.entries, res.entries != 0, req_to_token.shape[0])  # [N]
+    rows = entry_rows(res.entries, req_to_token.shape[0])  # [N]
     rows = jnp.broadcast_to(rows[:, None], cols.shape)  # [N] -> [N, page_size]
     return req_to_token.at[rows, cols].set(slots, mode="drop")
 

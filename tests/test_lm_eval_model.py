@@ -29,7 +29,7 @@ def test_loglikelihood_splits_pairs_as_lm_eval(lm):
     # A trailing space moves to the continuation: the same split as the pair without it.
     ctx = tok.encode("The little dog")
     cont = tok.encode("The little dog ran home")[len(ctx):]
-    want = lm.llm.loglikelihood([(ctx, cont), ([lm._prefix_id()], tok.encode(
+    want = lm.llm.loglikelihood([(ctx, cont), ([lm.llm.prefix_token_id], tok.encode(
         "Once upon a time", add_special_tokens=False))])
     assert got[0] == got[1] == pytest.approx(want[0], abs=1e-5)
     assert got[2] == pytest.approx(want[1], abs=1e-5)
