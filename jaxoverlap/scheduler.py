@@ -55,7 +55,8 @@ class SchedulerConfig:
     reserve_slack: int = 0
     # The prefill programs' shapes (the runner's): a row joins a prefill batch only with a
     # chunk that keeps the batch's padded rows x tokens within the chunk budget
-    # (buckets.PrefillShapes). None: rows are limited by their tokens only.
+    # (buckets.PrefillShapes), and a chunk just past a bucket is cut to the bucket below
+    # where that costs less. None: rows are limited by their tokens only.
     prefill_shapes: PrefillShapes | None = None
 
 
@@ -244,6 +245,8 @@ class Scheduler:
 
     def _add_chunk(self, req: Request, rows: list[BatchRow], budget: int) -> int:
         n = min(len(req.fill_ids) - req.prefill_pos, budget)
+        if self.cfg.prefill_shapes is not None:  # cut where the rest costs less in a step of its own
+            n = self.cfg.prefill_shapes.chunk(n, len(rows), max((r.length for r in rows), default=0))
         is_last = req.prefill_pos + n == len(req.fill_ids)
         rows.append(BatchRow(req, req.epoch, start=req.prefill_pos, length=n, is_last=is_last))
         req.prefill_pos += n

@@ -144,6 +144,20 @@ def test_prefill_ctx_bench(tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_prefill_cut_bench(tmp_path):
+    res = run_script(tmp_path, "prefill_cut_bench", "--tiny")
+    rows = res["rows"]
+    assert [(r["workload"], r["cut"]) for r in rows[:4]] == [("single", c) for c in ("on", "off", "off", "on")]
+    assert [r["requests"] for r in rows] == [1] * 4 + [8] * 8
+    single = {r["cut"]: r for r in rows if r["workload"] == "single"}
+    # 68 tokens: 1 x 128 whole, or 64 + 4 (1 x 64, then 1 x 16) with the cut
+    assert single["off"]["shapes"] == ["1x128:68"] and single["on"]["shapes"] == ["1x64:64", "1x16:4"]
+    for r in rows:  # every prompt token prefilled once
+        assert sum(int(s.split(":")[1]) for s in r["shapes"]) == r["prompt_tokens"]
+    assert all(v["area_off_over_on"] > 1 for v in res["summary"].values())
+
+
+@pytest.mark.timeout(400)
 def test_prefill_rows_probe(tmp_path):
     res = run_script(tmp_path, "prefill_rows_probe", "--tiny", "--runs", "1", "--num-requests", "4",
                      "--system-len", "40", "--user-len", "8", "--chunked-prefill-size", "64")

@@ -111,11 +111,23 @@ def test_prefill_shapes_rule():
     assert spec.shape(1, 2047) == (1, 2048) and spec.longest_chunk(1, 100) == 1023
 
 
-def _scheduler(shapes: bool, chunk=64, max_prefill=4, page_size=4):
+def test_a_chunk_just_past_a_bucket_is_cut():
+    shapes = PrefillShapes(8, 2048)  # the default step cost: 384 tokens
+    assert shapes.chunk(1088) == 1024  # 1024 + 64 + 384 < 2048
+    assert shapes.chunk(520) == 512  # 512 + 16 + 384 < 1024
+    assert shapes.chunk(600) == 600  # 512 + 128 + 384 = 1024: not less
+    assert shapes.chunk(1900) == 1900 and shapes.chunk(1024) == 1024 and shapes.chunk(100) == 100
+    assert shapes.chunk(300, num_rows=1, longest=500) == 300  # within the batch's bucket
+    assert shapes.chunk(600, num_rows=1, longest=8) == 512  # 2 x 512 + 128 + 384 < 2 x 1024
+    assert PrefillShapes(8, 2048, lead=1).chunk(1088) == 1023  # the lead token fills the bucket
+    assert PrefillShapes(8, 2048, step_cost_tokens=2048).chunk(1088) == 1088
+
+
+def _scheduler(shapes: bool, chunk=64, max_prefill=4, page_size=4, step_cost=PrefillShapes.STEP_COST_TOKENS):
     max_context, max_running = 128, 8
     cfg = SchedulerConfig(page_size=page_size, max_running=max_running, chunked_prefill_size=chunk,
                           max_prefill_requests=max_prefill, max_context_len=max_context, table_width=max_context,
-                          prefill_shapes=PrefillShapes(max_prefill, chunk) if shapes else None)
+                          prefill_shapes=PrefillShapes(max_prefill, chunk, step_cost_tokens=step_cost) if shapes else None)
     sched = Scheduler(cfg, PageAllocator(256, page_size), EntryAllocator(max_running), PrefixCache(page_size, True))
     return sched, FakeDevice(max_running + 1, max_context, page_size)
 
@@ -157,10 +169,19 @@ def test_a_row_is_cut_to_the_shape_that_fits():
     assert len(done) == 2
 
 
+def test_the_scheduler_cuts_a_chunk_just_past_a_bucket():
+    """A 40-token prompt (bucket 64) runs as 32, then its last 8 with the short prompt that
+    waited (2 x 16); a cost of 64 tokens a step makes the whole chunk cheaper (the check can fail)."""
+    for step_cost, expected in ((0, [[32], [8, 8]]), (64, [[40], [8]])):
+        sched, dev = _scheduler(True, step_cost=step_cost)
+        seen, done = _prefill_batches(sched, dev, {0: [req(0, 40, 3), req(1, 8, 3)]})
+        assert seen == expected and len(done) == 2 and all(len(r.output_ids) == 3 for r in done)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_every_prefill_batch_has_a_shape_that_runs(seed):
     rng = np.random.default_rng(seed)
-    sched, dev = _scheduler(True)
+    sched, dev = _scheduler(True, step_cost=int(rng.integers(0, 64)))
     shapes = sched.cfg.prefill_shapes
     arrivals = {int(t): [req(100 * int(t) + i, int(rng.integers(1, 90)), 2) for i in range(int(rng.integers(1, 5)))]
                 for t in rng.integers(0, 30, size=6)}
