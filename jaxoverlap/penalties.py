@@ -95,9 +95,10 @@ def apply(logits: jax.Array, positions: jax.Array, history: jax.Array, params: j
     counts = history & COUNT
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - freq * counts.astype(logits.dtype) - pres * (counts > 0).astype(logits.dtype)
-    # A row's bias ids are distinct; its unused slots add 0 to token 0.
+    # A row's bias ids are distinct; its unused slots (-1) are dropped (scatter.py).
     rows = jnp.arange(logits.shape[0])[:, None]  # [B, 1]
-    logits = logits.at[rows, jnp.maximum(bias_ids, 0)].add(jnp.where(bias_ids >= 0, bias_values, 0.0))
+    ids = dropped_where_invalid(bias_ids, bias_ids >= 0, logits.shape[1])
+    logits = logits.at[rows, ids].add(bias_values.astype(logits.dtype), mode="drop")
     banned = ((history & STOP) != 0) & (positions < min_end)[:, None]
     return jnp.where(banned, -jnp.inf, logits)
 
