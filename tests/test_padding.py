@@ -190,3 +190,30 @@ def test_every_prefill_batch_has_a_shape_that_runs(seed):
     assert any(len(rows) > 1 for rows in seen)  # batching still happens
     for rows in seen:
         assert sum(rows) <= 64 and shapes.runs(*shapes.shape(len(rows), max(rows)))
+
+
+@pytest.mark.parametrize("algo", [None, "eagle"])
+def test_cut_chunks_give_the_tokens_of_whole_ones(algo):
+    """Chunks cut at a bucket (a step cost of 0: every cut that shrinks the padded area)
+    give the greedy tokens of uncut chunks, plain and with EAGLE's lead token; and the cut
+    does happen (the check can fail)."""
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", [3 + i % 50 for i in range(40)], greedy), ("b", [7] * 20, greedy)],
+                3: [("c", [(5 * i) % 90 + 1 for i in range(70)], greedy)]}
+    results = {}
+    for cost in (0, 10**9):
+        engine = make_engine(kv_cache_tokens=1024, chunked_prefill_size=64, max_prefill_requests=4,
+                             **({"speculative_algorithm": algo} if algo else {}))
+        engine.scheduler.cfg.prefill_shapes.step_cost_tokens = cost  # the runner's too: one object
+        launched, launch = [], engine.runner._launch_prefill
+
+        def traced(batch, launch=launch, launched=launched):
+            launched.append([row.length for row in batch.rows])
+            return launch(batch)
+
+        engine.runner._launch_prefill = traced
+        finals = run_workload(engine, arrivals)
+        results[cost] = ({rid: out.token_ids for rid, out in finals.items()}, launched)
+    (cut, cut_chunks), (whole, whole_chunks) = results[0], results[10**9]
+    assert len(cut) == 3 and cut == whole
+    assert cut_chunks != whole_chunks and len(cut_chunks) > len(whole_chunks)
