@@ -29,24 +29,26 @@ def next_power_of_two(n: int, minimum: int = 1) -> int:
 
 
 class PrefillShapes:
-    """The (rows, tokens) buckets of prefill programs, and the rule that keeps a prefill's
-    padded area within the chunk budget.
+    """The (rows, tokens) buckets of prefill programs, and the plan of each prefill batch.
 
     A prefill launches R rows of T tokens: the batch's row count and its longest row (plus
     `lead` columns: the speculative prefill's token before the chunk), each rounded up to its
     bucket. Its device time follows R x T, not the tokens it holds (8 x 2048 ran 7.1x as long
-    as 1 x 2048 on the H100), so the scheduler keeps R x T within `max_padded_tokens`, the
-    chunk budget: a long row does not share a step with other rows padded to its length.
-    Shapes above that never run, so the warm-up leaves them out.
+    as 1 x 2048 on the H100), so R x T stays within `max_padded_tokens`, the chunk budget;
+    shapes above that never run, and the warm-up leaves them out.
 
-    A chunk just past a bucket is cut to the bucket below (`chunk`): 1088 tokens run as
-    1024 now and 64 in the next step rather than as 2048.
+    A row is a segment of one request's prompt, not a whole chunk: `plan` picks the bucket T,
+    and each request's chunk is cut into rows of at most T - lead tokens, which one batch
+    takes together (within a layer every row's K/V is written before any row attends, so a
+    segment sees the ones before it). Eight prompts of 1088 tokens then run as 8 x 256 rows
+    full of prompt, rather than one 1 x 2048 step each; a lone prompt of 1088 runs as 1024,
+    then 64, rather than 2048.
     """
 
     # A prefill step's fixed cost, in tokens' worth of device time: reading the weights and
     # the step's launch. Qwen3-8B on the H200 took 10.2 ms for 1 x 128 and 30.6 ms for
     # 1 x 1024, about 7.3 ms plus 0.023 ms a token, so a step costs some 320 tokens; the
-    # margin above that keeps the cut to the cases where it clearly pays.
+    # margin above that favours fewer, fuller steps.
     STEP_COST_TOKENS = 384
 
     def __init__(self, max_prefill_requests: int, chunked_prefill_size: int, lead: int = 0,
@@ -65,30 +67,69 @@ class PrefillShapes:
         """Whether the scheduler can launch a prefill of this shape."""
         return R * T <= self.max_padded_tokens or R == 1
 
-    def longest_chunk(self, num_rows: int, longest: int) -> int:
-        """The most tokens a row may add to a batch of `num_rows` rows whose longest chunk has
-        `longest` tokens, so that the batch's shape still runs; 0 if no row fits."""
-        if num_rows >= self.row_buckets[-1]:
-            return 0
-        R = pick(self.row_buckets, num_rows + 1)
-        fits = [T for T in self.len_buckets if T >= self.lead + max(longest, 1) and self.runs(R, T)]
-        return fits[-1] - self.lead if fits else 0
+    def plan(self, pending: list[int]) -> tuple[int, int]:
+        """(T, R) of the next prefill: the most tokens a row may hold plus `lead` (a length
+        bucket), and the most rows it may take, for the prompt tokens left to prefill of the
+        requests it would take, in order (the first may be mid-prompt; each at most the
+        budget). Each request is cut into rows of at most T - lead tokens, and the batch
+        takes the first R rows; what it leaves runs in the next steps.
 
-    def chunk(self, n: int, num_rows: int = 0, longest: int = 0) -> int:
-        """How many of a row's next `n` tokens (within the budget) to prefill now, as the next
-        row of a batch of `num_rows` rows whose longest chunk has `longest` tokens.
+        Device time is counted as R x T plus a step's fixed cost. With a budget's worth of
+        tokens pending, every step can be full: the plan holds the most tokens per unit of
+        device time (eight prompts of 1088 tokens: 8 x 256). With less, the plan is the
+        cheapest way to prefill all of it, in this step or in this one and the next: 1088
+        tokens alone run as 1024 + 64 (1856 tokens' worth, two step costs included,
+        against 2432 for one step of 2048), but 1624 as one step of 2048. Ties go to more
+        tokens now, then to fewer rows."""
+        c = self.step_cost_tokens
+        heavy = sum(pending) >= self.max_padded_tokens
+        best_key, best = None, (self.len_buckets[-1], 1)
+        for T, R, rows, rest in self._options(pending):
+            tokens = sum(rows)
+            if heavy:
+                key = (tokens / (R * T + c), tokens, -R)
+            else:
+                key = (-(R * T + c + (self._one_step_cost(rest) if any(rest) else 0)), tokens, -R)
+            if best_key is None or key > best_key:
+                best_key, best = key, (T, R)
+        return best
 
-        A chunk that sets the batch's token bucket is cut to the bucket below when that, plus
-        the rest's bucket in a step of its own, is less device time than the whole chunk's
-        bucket: R x T_below + T_rest + a step's fixed cost < R x T. A chunk within the batch's
-        bucket costs nothing more and is not cut."""
-        T = pick(self.len_buckets, self.lead + n)
-        if num_rows and T <= pick(self.len_buckets, self.lead + max(longest, 1)):
-            return n
-        lower = [b for b in self.len_buckets if self.lead < b < self.lead + n]
-        if not lower:
-            return n
-        now = lower[-1] - self.lead
-        R = pick(self.row_buckets, num_rows + 1)
-        rest = pick(self.len_buckets, self.lead + n - now)
-        return now if R * lower[-1] + rest + self.step_cost_tokens < R * T else n
+    def _options(self, pending: list[int]):
+        """(T, R, the rows' tokens, each request's tokens left) of every shape that runs."""
+        for T in self.len_buckets:
+            cap = T - self.lead
+            if cap < 1:
+                continue
+            rows, owner = [], []  # each row's tokens and request
+            for i, n in enumerate(pending):
+                while n > 0 and len(rows) < self.row_buckets[-1]:
+                    rows.append(min(cap, n))
+                    owner.append(i)
+                    n -= rows[-1]
+            for R in self.row_buckets:
+                if not self.runs(R, T):
+                    break
+                rest = list(pending)
+                for i, n in zip(owner[:R], rows[:R]):
+                    rest[i] -= n
+                yield T, R, rows[:R], rest
+                if R >= len(rows):  # more rows would be padding
+                    break
+
+    def _one_step_cost(self, pending: list[int]) -> int:
+        """R x T + step cost of the cheapest shape that prefills all of `pending` at once;
+        if none does, its tokens and a step cost per budget's worth."""
+        best = None
+        for T in self.len_buckets:
+            cap = T - self.lead
+            if cap < 1:
+                continue
+            num_rows = sum(-(-n // cap) for n in pending)
+            if num_rows <= self.row_buckets[-1]:
+                R = pick(self.row_buckets, max(num_rows, 1))
+                if self.runs(R, T) and (best is None or R * T < best):
+                    best = R * T
+        if best is not None:
+            return best + self.step_cost_tokens
+        total = sum(pending)
+        return total + self.step_cost_tokens * -(-total // self.max_padded_tokens)

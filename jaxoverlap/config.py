@@ -17,7 +17,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_context_len: int | None = None  # default: min(model's max positions, 4096)
     chunked_prefill_size: int = 2048  # max prompt tokens per prefill step, and max padded rows x tokens
-    max_prefill_requests: int = 8  # max prompts batched in one prefill step
+    max_prefill_requests: int = 8  # max rows of one prefill step (a long prompt may take several)
     kv_cache_tokens: int | None = None  # KV cache capacity in tokens; overrides the fraction
     kv_cache_memory_fraction: float = 0.85  # of device memory left after weights (GPU only)
     disable_overlap: bool = False

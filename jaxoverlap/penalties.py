@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxoverlap.sampling_params import MAX_LOGIT_BIAS
-from jaxoverlap.scatter import dropped_where_invalid, entry_rows, set_rows
+from jaxoverlap.scatter import dropped_where_invalid, entry_rows, last_segments, set_rows
 
 SEEN = 1 << 24  # history bit: the token occurs in the prompt or the output
 COUNT = SEEN - 1  # history bits 0-23: how many times the request generated the token
@@ -157,7 +157,9 @@ def record_generated(pen: PenaltyState, entries: jax.Array, tokens: jax.Array) -
 
 def record_prefill(pen: PenaltyState, entries, tokens, starts, chunk_lens, inp: PrefillPenaltyInputs) -> PenaltyState:
     """A prefill chunk of R rows: entries [R], tokens [R, Q], starts / chunk_lens [R]. A
-    row's first chunk clears its entry's history and marks its stop tokens first."""
+    row's first chunk clears its entry's history and marks its stop tokens first. Rows may
+    be segments of one request's chunk: each counts its tokens, and the last writes the
+    entry's params (scatter.last_segments)."""
     R, Q = tokens.shape
     E = pen.history.shape[0]
     real = (entries != 0)[:, None]  # [R, 1]; padded rows (entry 0) write nothing (jaxoverlap/scatter.py)
@@ -175,7 +177,8 @@ def record_prefill(pen: PenaltyState, entries, tokens, starts, chunk_lens, inp: 
     rows = dropped_where_invalid(jnp.broadcast_to(entries[:, None], (R, Q)), valid, E)  # [R, Q]
     history = history.at[rows, tokens].add(generated.astype(jnp.int32), mode="drop")
     history = history.at[rows, tokens].set(history[rows, tokens] | SEEN, mode="drop")
-    return PenaltyState(history=history, params=set_rows(pen.params, entries, inp.params),
-                        min_end=set_rows(pen.min_end, entries, inp.min_end),
-                        bias_ids=set_rows(pen.bias_ids, entries, inp.bias_ids),
-                        bias_values=set_rows(pen.bias_values, entries, inp.bias_values))
+    owners = last_segments(entries, starts)  # one row per entry writes its params
+    return PenaltyState(history=history, params=set_rows(pen.params, owners, inp.params),
+                        min_end=set_rows(pen.min_end, owners, inp.min_end),
+                        bias_ids=set_rows(pen.bias_ids, owners, inp.bias_ids),
+                        bias_values=set_rows(pen.bias_values, owners, inp.bias_values))

@@ -6,6 +6,10 @@ that all wrote their K/V to slot 0 cost about 1.4 ms each on the H100, 21 s for 
 of 8 rows x 2048 tokens with 1536 real (benchmarks/RESULTS.md, 2026-12-05, seventh
 session). So every scatter that padding reaches gives padding distinct indices past the
 target's end, and scatters with mode="drop", which skips them.
+
+A prefill batch may also hold several rows of one request (segments of its chunk:
+buckets.PrefillShapes); of those only the last writes the request's per-entry state
+(`last_segments`), so that no entry is written twice either.
 """
 from __future__ import annotations
 
@@ -30,3 +34,11 @@ def entry_rows(entries: jax.Array, num_entries: int) -> jax.Array:
 def set_rows(array: jax.Array, entries: jax.Array, values: jax.Array) -> jax.Array:
     """array[entries[i]] = values[i] for every real row i (entry != 0)."""
     return array.at[entry_rows(entries, array.shape[0])].set(values.astype(array.dtype), mode="drop")
+
+
+def last_segments(entries: jax.Array, starts: jax.Array) -> jax.Array:
+    """entries [R] of a prefill batch with 0 in every row that another row of the same
+    entry follows (a later segment of the same chunk: a larger start), so that only the
+    chunk's last segment writes the entry's relay and penalty state."""
+    later = (entries[None, :] == entries[:, None]) & (starts[None, :] > starts[:, None])  # [R, R]
+    return jnp.where(later.any(axis=1), 0, entries)

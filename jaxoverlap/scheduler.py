@@ -16,6 +16,7 @@ overwritten by the next window.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import deque
 from typing import Callable
@@ -53,10 +54,9 @@ class SchedulerConfig:
     # comes at least this many tokens later, instead of rows crossing page boundaries on
     # different steps and nearly every step sending some. 0: reserve only what the rule needs.
     reserve_slack: int = 0
-    # The prefill programs' shapes (the runner's): a row joins a prefill batch only with a
-    # chunk that keeps the batch's padded rows x tokens within the chunk budget
-    # (buckets.PrefillShapes), and a chunk just past a bucket is cut to the bucket below
-    # where that costs less. None: rows are limited by their tokens only.
+    # The prefill programs' shapes (the runner's), which plan each prefill batch: a bucket
+    # T, and requests' chunks cut into rows of at most T tokens, within the chunk budget
+    # (buckets.PrefillShapes.plan). None: one row per request, limited by tokens only.
     prefill_shapes: PrefillShapes | None = None
 
 
@@ -86,6 +86,13 @@ class ScheduledBatch:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
 
 
 class Scheduler:
@@ -179,37 +186,57 @@ class Scheduler:
         budget = self.cfg.chunked_prefill_size
         rows: list[BatchRow] = []
         reservations: list[tuple[int, int, int]] = []
-        if self.prefilling is not None:
-            req = self.prefilling
-            self.prefilling = None
-            budget -= self._add_chunk(req, rows, budget)
         # Headroom for the running requests' next top-ups, so admission does not force an
         # immediate retraction.
         headroom = len(self.running)
+        first = self.prefilling
+        if first is None:  # admit the first row's request before planning around it
+            if not self._can_admit() or not self._admit(self.waiting[0], reservations, headroom):
+                return None
+            first = self.waiting.popleft()
+        self.prefilling = None
+        max_rows, cap = self.cfg.max_prefill_requests, budget
+        if self.cfg.prefill_shapes is not None:
+            T, max_rows = self.cfg.prefill_shapes.plan(self._pending_tokens(first, budget))
+            cap = T - self.cfg.prefill_shapes.lead
+        budget -= self._add_chunk(first, rows, budget, max_rows, cap)
         while (
-            self.waiting
-            and budget > 0
+            budget > 0
             and self.prefilling is None
-            and len(rows) < self.cfg.max_prefill_requests
+            and len(rows) < max_rows
             # Rows whose prompt this batch completes are in `running` already; a row that
             # does not complete it is `prefilling`, which ends the loop.
-            and len(self.running) < self.cfg.max_running
-            and self.entries.can_allocate()
+            and self._can_admit()
         ):
-            room = budget
-            if rows and self.cfg.prefill_shapes is not None:
-                room = min(room, self.cfg.prefill_shapes.longest_chunk(len(rows), max(r.length for r in rows)))
-                if room <= 0:  # even one token would pad every row to a shape past the budget
-                    break
             req = self.waiting[0]
             if not self._admit(req, reservations, headroom):
                 break
             self.waiting.popleft()
-            budget -= self._add_chunk(req, rows, room)
-        if not rows:
-            return None
+            budget -= self._add_chunk(req, rows, budget, max_rows, cap)
         ctx_len = max(r.start + r.length for r in rows)
         return ScheduledBatch("prefill", rows, reservations, ctx_len)
+
+    def _can_admit(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.cfg.max_running and self.entries.can_allocate()
+
+    def _pending_tokens(self, first: Request, budget: int) -> list[int]:
+        """Prompt tokens left to prefill of the requests the next prefill batch would take,
+        in order, each capped at the budget: exact for `first` (admitted), estimated for the
+        waiting ones behind it. With the prefix cache on, a waiting prompt's pages in common
+        with an earlier one of these count as cached, as they will be once the earlier
+        one's prefill is scheduled (requests that arrive with one system prompt); pages
+        cached before are not looked up, so the estimate is high for those."""
+        pending = [min(len(first.fill_ids) - first.prefill_pos, budget)]
+        ps, share = self.cfg.page_size, self.prefix.enabled
+        ahead = [np.asarray(first.fill_ids[:budget])] if share else []
+        for req in itertools.islice(self.waiting, self.cfg.max_prefill_requests - 1):
+            shared = 0
+            if share:
+                ids = np.asarray(req.fill_ids[:budget])
+                shared = max(_common_prefix(ids, a) for a in ahead) // ps * ps
+                ahead.append(ids)
+            pending.append(max(1, min(len(req.fill_ids) - shared, budget)))
+        return pending
 
     def _admit(self, req: Request, reservations: list, headroom: int) -> bool:
         ps = self.cfg.page_size
@@ -243,12 +270,15 @@ class Scheduler:
         req.status = Status.PREFILL
         return True
 
-    def _add_chunk(self, req: Request, rows: list[BatchRow], budget: int) -> int:
-        n = min(len(req.fill_ids) - req.prefill_pos, budget)
-        if self.cfg.prefill_shapes is not None:  # cut where the rest costs less in a step of its own
-            n = self.cfg.prefill_shapes.chunk(n, len(rows), max((r.length for r in rows), default=0))
-        is_last = req.prefill_pos + n == len(req.fill_ids)
-        rows.append(BatchRow(req, req.epoch, start=req.prefill_pos, length=n, is_last=is_last))
+    def _add_chunk(self, req: Request, rows: list[BatchRow], budget: int, max_rows: int, cap: int) -> int:
+        """Add the request's next chunk to the batch, as rows of at most `cap` tokens while
+        rows are left (the last may be shorter): at most `budget` tokens. Returns its length."""
+        n = min(len(req.fill_ids) - req.prefill_pos, budget, (max_rows - len(rows)) * cap)
+        end = req.prefill_pos + n
+        is_last = end == len(req.fill_ids)
+        for start in range(req.prefill_pos, end, cap):
+            length = min(cap, end - start)
+            rows.append(BatchRow(req, req.epoch, start=start, length=length, is_last=is_last and start + length == end))
         req.prefill_pos += n
         req.kv_committed = req.prefill_pos  # the launched chunk will have written these
         self._share_prefilled_pages(req)

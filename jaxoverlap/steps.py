@@ -23,7 +23,7 @@ from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attentio
 from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
 from jaxoverlap.sampling_params import MAX_TOP_LOGPROBS
-from jaxoverlap.scatter import entry_rows, set_rows
+from jaxoverlap.scatter import entry_rows, last_segments, set_rows
 
 
 def pack_for_host(*columns: jax.Array) -> jax.Array:
@@ -357,8 +357,8 @@ def prefill_step(
         row_penalties = penalties.rows(penalty, inp.entries)
     next_tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed, kv_lens,
                                    sampling=sampling, penalties=row_penalties)
-    relay = _write_relay(
-        state.relay, inp.entries, kv_lens, next_tokens,
+    relay = _write_relay(  # a chunk's last segment writes the entry (scatter.last_segments)
+        state.relay, last_segments(inp.entries, inp.starts), kv_lens, next_tokens,
         temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p, seed=inp.seed,
     )
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_fixtures import make_engine, run_workload
+from engine_fixtures import make_engine, run_workload, tiny_config, tiny_params
 from fake_device import FakeDevice, drive
 from fake_device import make_request as req
 from jaxoverlap.buckets import PrefillShapes
@@ -15,7 +15,7 @@ from jaxoverlap.models.transformer import write_cache
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
 from jaxoverlap.sampling_params import SamplingParams
-from jaxoverlap.scatter import dropped_where_invalid, set_rows
+from jaxoverlap.scatter import dropped_where_invalid, last_segments, set_rows
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig
 from jaxoverlap.speculative.ngram_device import write_tokens
 from jaxoverlap.steps import Reservations, apply_reservations
@@ -47,6 +47,12 @@ def test_per_entry_writes_skip_entry_0():
     array = jnp.full((4, 2), -1, jnp.int32)  # [E, D]
     out = np.asarray(set_rows(array, jnp.array([2, 0, 3, 0]), jnp.arange(8, dtype=jnp.int32).reshape(4, 2)))
     assert out.tolist() == [[-1, -1], [-1, -1], [0, 1], [4, 5]]
+
+
+def test_only_a_chunks_last_row_writes_its_entry():
+    entries = jnp.array([3, 3, 5, 0, 3, 0])  # entry 3 in three rows (segments of one chunk)
+    starts = jnp.array([0, 16, 0, 0, 32, 0])
+    assert np.asarray(last_segments(entries, starts)).tolist() == [0, 0, 5, 0, 3, 0]
 
 
 def test_padded_reservations_leave_the_dummy_row_alone():
@@ -95,50 +101,61 @@ def test_padded_rows_write_nothing(algo):
     assert np.asarray(state.relay.seq_lens[1:]).any()  # real entries were written
 
 
-# -- prefill shapes within the chunk budget ------------------------------------------------------
+# -- prefill shapes within the chunk budget, rows planned --------------------------------------
 def test_prefill_shapes_rule():
     shapes = PrefillShapes(max_prefill_requests=8, chunked_prefill_size=2048)
     assert shapes.row_buckets == (1, 2, 4, 8) and shapes.len_buckets[0] == 16 and shapes.len_buckets[-1] == 2048
     assert shapes.shape(3, 300) == (4, 512)
     assert shapes.runs(1, 2048) and shapes.runs(8, 256) and shapes.runs(2, 1024)
     assert not shapes.runs(8, 2048) and not shapes.runs(2, 2048)
-    assert shapes.longest_chunk(1, 1088) == 0  # a second row would pad both to 2048
-    assert shapes.longest_chunk(1, 100) == 1024  # 2 rows x 1024
-    assert shapes.longest_chunk(3, 64) == 512  # 4 rows x 512
-    assert shapes.longest_chunk(8, 16) == 0  # no row bucket left
     # The speculative prefill's rows hold the token before the chunk too.
-    spec = PrefillShapes(8, 2048, lead=1)
-    assert spec.shape(1, 2047) == (1, 2048) and spec.longest_chunk(1, 100) == 1023
+    assert PrefillShapes(8, 2048, lead=1).shape(1, 2047) == (1, 2048)
 
 
-def test_a_chunk_just_past_a_bucket_is_cut():
-    shapes = PrefillShapes(8, 2048)  # the default step cost: 384 tokens
-    assert shapes.chunk(1088) == 1024  # 1024 + 64 + 384 < 2048
-    assert shapes.chunk(520) == 512  # 512 + 16 + 384 < 1024
-    assert shapes.chunk(600) == 600  # 512 + 128 + 384 = 1024: not less
-    assert shapes.chunk(1900) == 1900 and shapes.chunk(1024) == 1024 and shapes.chunk(100) == 100
-    assert shapes.chunk(300, num_rows=1, longest=500) == 300  # within the batch's bucket
-    assert shapes.chunk(600, num_rows=1, longest=8) == 512  # 2 x 512 + 128 + 384 < 2 x 1024
-    assert PrefillShapes(8, 2048, lead=1).chunk(1088) == 1023  # the lead token fills the bucket
-    assert PrefillShapes(8, 2048, step_cost_tokens=2048).chunk(1088) == 1088
+@pytest.mark.parametrize("pending, plan, why", [
+    ([1088], (1024, 1), "1024 + 64 next (1856 with two step costs) beats one 2048 (2432)"),
+    ([1624], (2048, 1), "1024 + 600 next (2816) does not"),
+    ([1500], (1024, 1), "1024 + 476 as 512 (2304) beats 2432"),
+    ([100], (128, 1), "one row in its bucket"),
+    ([2048], (2048, 1), "a full row"),
+    ([1088] * 8, (256, 8), "a burst: every step full, 8 rows of 256"),
+    ([1088] + [64] * 7, (1024, 1), "one system prompt: 1024 alone, then 8 x 64 of the rest"),
+    ([600, 300], (128, 8), "segments: 8 x 128 holds both (1408), whole rows need 2 x 1024 (2432)"),
+    ([64] * 8, (64, 8), "short prompts, one row each"),
+])
+def test_the_plan(pending, plan, why):
+    assert PrefillShapes(8, 2048).plan(pending) == plan, why
 
 
-def _scheduler(shapes: bool, chunk=64, max_prefill=4, page_size=4, step_cost=PrefillShapes.STEP_COST_TOKENS):
+def test_the_plan_with_a_lead_and_other_step_costs():
+    assert PrefillShapes(8, 2048, lead=1).plan([1088]) == (1024, 1)  # 1023 + the lead token
+    assert PrefillShapes(8, 2048, step_cost_tokens=2048).plan([1088]) == (2048, 1)  # a second step costs too much
+    for pending in ([40, 8, 8, 8], [40], [5, 60, 33]):  # every plan runs, and the first gets a row
+        for cost in (0, 64, 384):
+            shapes = PrefillShapes(4, 64, step_cost_tokens=cost)
+            T, R = shapes.plan(pending)
+            assert shapes.runs(R, T) and T in shapes.len_buckets and R in shapes.row_buckets
+
+
+def _scheduler(shapes: bool, chunk=64, max_prefill=4, page_size=4, step_cost=PrefillShapes.STEP_COST_TOKENS,
+               cache=True):
     max_context, max_running = 128, 8
     cfg = SchedulerConfig(page_size=page_size, max_running=max_running, chunked_prefill_size=chunk,
                           max_prefill_requests=max_prefill, max_context_len=max_context, table_width=max_context,
                           prefill_shapes=PrefillShapes(max_prefill, chunk, step_cost_tokens=step_cost) if shapes else None)
-    sched = Scheduler(cfg, PageAllocator(256, page_size), EntryAllocator(max_running), PrefixCache(page_size, True))
+    sched = Scheduler(cfg, PageAllocator(256, page_size), EntryAllocator(max_running), PrefixCache(page_size, cache))
     return sched, FakeDevice(max_running + 1, max_context, page_size)
 
 
 def _prefill_batches(sched, dev, arrivals):
+    """Drive the workload; returns (each prefill batch's rows as (request id, start,
+    length, is_last), the finished requests)."""
     seen, schedule = [], sched.schedule
 
     def recording():
         batch = schedule()
         if batch is not None and batch.kind == "prefill":
-            seen.append([row.length for row in batch.rows])
+            seen.append([(row.req.request_id, row.start, row.length, row.is_last) for row in batch.rows])
         return batch
 
     sched.schedule = recording
@@ -146,74 +163,88 @@ def _prefill_batches(sched, dev, arrivals):
     return seen, done
 
 
+def _lengths(seen):
+    return [[length for _, _, length, _ in rows] for rows in seen]
+
+
 @pytest.mark.parametrize("shapes", [True, False])
-def test_a_long_row_does_not_pad_short_ones(shapes):
-    """One long prompt with short ones behind it: with the rule the long row runs alone and
-    the short ones together; without it (the check can fail) all four share one 4 x 64 step."""
+def test_a_long_prompt_is_cut_into_rows(shapes):
+    """One long prompt with short ones behind it. Planned: the long one as rows of 16 with
+    one short one (4 x 16), then the other two (2 x 16), instead of all four padded to the
+    long one's 64 (4 x 64, past the budget: what happens without a plan, the check that
+    can fail)."""
     sched, dev = _scheduler(shapes)
     reqs = [req(0, 40, 3)] + [req(i, 8, 3) for i in range(1, 4)]
     seen, done = _prefill_batches(sched, dev, {0: reqs})
     assert len(done) == 4 and all(len(r.output_ids) == 3 for r in done)
     if shapes:
-        assert seen == [[40], [8, 8, 8]]
+        assert _lengths(seen) == [[16, 16, 8, 8], [8, 8]]
+        rows = seen[0][:3]  # the long prompt's rows: consecutive, the last one ends it
+        assert [(start, is_last) for _, start, _, is_last in rows] == [(0, False), (16, False), (32, True)]
     else:
-        assert seen[0] == [40, 8, 8, 8]
+        assert _lengths(seen)[0] == [40, 8, 8, 8]
 
 
-def test_a_row_is_cut_to_the_shape_that_fits():
-    """A short row, then a long one: the long one gets the chunk that keeps 2 rows within
-    the budget (2 x 32) and continues in the next step."""
-    sched, dev = _scheduler(True)
-    seen, done = _prefill_batches(sched, dev, {0: [req(0, 10, 3), req(1, 40, 3)]})
-    assert seen[0] == [10, 32] and seen[1][0] == 8
-    assert len(done) == 2
-
-
-def test_the_scheduler_cuts_a_chunk_just_past_a_bucket():
-    """A 40-token prompt (bucket 64) runs as 32, then its last 8 with the short prompt that
-    waited (2 x 16); a cost of 64 tokens a step makes the whole chunk cheaper (the check can fail)."""
-    for step_cost, expected in ((0, [[32], [8, 8]]), (64, [[40], [8]])):
-        sched, dev = _scheduler(True, step_cost=step_cost)
-        seen, done = _prefill_batches(sched, dev, {0: [req(0, 40, 3), req(1, 8, 3)]})
-        assert seen == expected and len(done) == 2 and all(len(r.output_ids) == 3 for r in done)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_every_prefill_batch_has_a_shape_that_runs(seed):
+@pytest.mark.parametrize("seed", range(6))
+def test_every_prefill_batch_runs_and_holds_consecutive_rows(seed):
     rng = np.random.default_rng(seed)
-    sched, dev = _scheduler(True, step_cost=int(rng.integers(0, 64)))
+    sched, dev = _scheduler(True, step_cost=int(rng.integers(0, 400)), cache=bool(seed % 2))
     shapes = sched.cfg.prefill_shapes
     arrivals = {int(t): [req(100 * int(t) + i, int(rng.integers(1, 90)), 2) for i in range(int(rng.integers(1, 5)))]
                 for t in rng.integers(0, 30, size=6)}
     seen, done = _prefill_batches(sched, dev, arrivals)
     assert len(done) == sum(len(v) for v in arrivals.values())
-    assert any(len(rows) > 1 for rows in seen)  # batching still happens
+    assert any(len({rid for rid, *_ in rows}) > 1 for rows in seen)  # requests still batch
+    covered = {}
     for rows in seen:
-        assert sum(rows) <= 64 and shapes.runs(*shapes.shape(len(rows), max(rows)))
+        lengths = [length for _, _, length, _ in rows]
+        assert sum(lengths) <= 64 and shapes.runs(*shapes.shape(len(rows), max(lengths)))
+        for rid, start, length, is_last in rows:  # each request's rows follow on, whatever the step
+            assert covered.get(rid, start) == start
+            covered[rid] = start + length
+    for r in done:  # every prompt prefilled to its end (the cache may have covered a prefix)
+        assert covered[r.request_id] == len(r.fill_ids)
 
 
-@pytest.mark.parametrize("algo", [None, "eagle"])
-def test_cut_chunks_give_the_tokens_of_whole_ones(algo):
-    """Chunks cut at a bucket (a step cost of 0: every cut that shrinks the padded area)
-    give the greedy tokens of uncut chunks, plain and with EAGLE's lead token; and the cut
-    does happen (the check can fail)."""
+@pytest.mark.parametrize("algo", [None, "eagle", "draft_model"])
+def test_rows_of_one_chunk_give_the_tokens_of_whole_chunks(algo):
+    """Prompts prefilled as several rows of one batch (the plan) give the greedy tokens and
+    prompt logprobs of one row per request, plain, with EAGLE's lead token and with a draft
+    model; one request is penalized, so the penalty history sums every row's tokens; and the
+    rows do happen (the check can fail)."""
     greedy = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
-    arrivals = {0: [("a", [3 + i % 50 for i in range(40)], greedy), ("b", [7] * 20, greedy)],
-                3: [("c", [(5 * i) % 90 + 1 for i in range(70)], greedy)]}
+    penalized = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True, frequency_penalty=0.7,
+                               repetition_penalty=1.5, logit_bias={4: 0.5}, min_new_tokens=2, stop_token_ids=[9])
+    scored = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
+    arrivals = {0: [("a", [3 + i % 50 for i in range(40)], penalized), ("b", [7] * 20, greedy)],
+                3: [("e", [(3 * i) % 80 + 2 for i in range(45)], scored),
+                    ("c", [(5 * i) % 90 + 1 for i in range(70)], greedy), ("d", [11, 12] * 9, greedy)]}
+    extra = {}
+    if algo == "draft_model":
+        cfg = tiny_config()
+        extra = dict(draft_model_config=cfg, draft_params=tiny_params(cfg, 1))
     results = {}
-    for cost in (0, 10**9):
+    for planned in (True, False):
         engine = make_engine(kv_cache_tokens=1024, chunked_prefill_size=64, max_prefill_requests=4,
-                             **({"speculative_algorithm": algo} if algo else {}))
-        engine.scheduler.cfg.prefill_shapes.step_cost_tokens = cost  # the runner's too: one object
+                             **({"speculative_algorithm": algo} if algo else {}), **extra)
+        shapes = engine.scheduler.cfg.prefill_shapes  # the runner's too: one object
+        if not planned:  # one row per request: rows as long as the budget allows
+            shapes.plan = lambda pending, s=shapes: (s.len_buckets[-1], s.row_buckets[-1])
         launched, launch = [], engine.runner._launch_prefill
 
         def traced(batch, launch=launch, launched=launched):
-            launched.append([row.length for row in batch.rows])
+            launched.append([(row.req.request_id, row.length) for row in batch.rows])
             return launch(batch)
 
         engine.runner._launch_prefill = traced
         finals = run_workload(engine, arrivals)
-        results[cost] = ({rid: out.token_ids for rid, out in finals.items()}, launched)
-    (cut, cut_chunks), (whole, whole_chunks) = results[0], results[10**9]
-    assert len(cut) == 3 and cut == whole
-    assert cut_chunks != whole_chunks and len(cut_chunks) > len(whole_chunks)
+        results[planned] = ({rid: (out.token_ids, out.prompt_logprobs) for rid, out in finals.items()}, launched)
+    (planned, planned_rows), (whole, whole_rows) = results[True], results[False]
+    assert len(planned) == 5 and {rid: toks for rid, (toks, _) in planned.items()} == {
+        rid: toks for rid, (toks, _) in whole.items()}
+    lp_planned, lp_whole = planned["e"][1], whole["e"][1]  # the scored prompt's logprobs, row by row
+    assert lp_planned[0] is None and len(lp_planned) == 45
+    np.testing.assert_allclose(lp_planned[1:], lp_whole[1:], rtol=1e-4, atol=1e-4)
+    for rid in "ae":  # the penalized and the scored prompt in several rows of one step
+        assert any([r for r, _ in rows].count(rid) > 1 for rows in planned_rows)
+    assert all(len(rows) == len({rid for rid, _ in rows}) for rows in whole_rows)

@@ -31,7 +31,7 @@ from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
 from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
-from jaxoverlap.scatter import set_rows
+from jaxoverlap.scatter import last_segments, set_rows
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
 from jaxoverlap.speculative.verify import SamplingRows, accept
@@ -314,7 +314,8 @@ def spec_prefill_step(
         stash.update(last_token=jnp.take_along_axis(inp.tokens, inp.chunk_lens[:, None], axis=1)[:, 0])
     elif spec.algorithm == "ngram_device":
         slot_tokens = ngram_device.write_tokens(slot_tokens, req_to_token, inp.entries, positions, inp.tokens, writes)
-    relay = _set(state.relay, inp.entries, seq_lens=kv_lens, **stash)
+    # A chunk's last segment writes the entry (scatter.last_segments).
+    relay = _set(state.relay, last_segments(inp.entries, inp.starts), seq_lens=kv_lens, **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
     top = top_logprobs_of(logits) if inp.top_logprobs else None
