@@ -228,13 +228,24 @@ class Scheduler:
         cached before are not looked up, so the estimate is high for those."""
         pending = [min(len(first.fill_ids) - first.prefill_pos, budget)]
         ps, share = self.cfg.page_size, self.prefix.enabled
-        ahead = [np.asarray(first.fill_ids[:budget])] if share else []
+        ahead: list[list[int]] = [first.fill_ids] if share else []
+        arrays: dict[int, np.ndarray] = {}  # index in `ahead` -> its first `budget` tokens, made once
+
+        def head(i: int) -> np.ndarray:
+            if i not in arrays:
+                arrays[i] = np.asarray(ahead[i][:budget])
+            return arrays[i]
+
         for req in itertools.islice(self.waiting, self.cfg.max_prefill_requests - 1):
             shared = 0
             if share:
-                ids = np.asarray(req.fill_ids[:budget])
-                shared = max(_common_prefix(ids, a) for a in ahead) // ps * ps
+                ids = req.fill_ids
                 ahead.append(ids)
+                # Only prompts whose first page is the same can share; most differ there.
+                same = [i for i in range(len(ahead) - 1) if ahead[i][:ps] == ids[:ps]]
+                if same:
+                    mine = head(len(ahead) - 1)
+                    shared = max(_common_prefix(mine, head(i)) for i in same) // ps * ps
             pending.append(max(1, min(len(req.fill_ids) - shared, budget)))
         return pending
 

@@ -185,6 +185,19 @@ def test_a_long_prompt_is_cut_into_rows(shapes):
         assert _lengths(seen)[0] == [40, 8, 8, 8]
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_the_plan_counts_pages_that_earlier_prompts_will_share(cache):
+    """Three prompts with one 34-token system prompt: with the prefix cache, the second and
+    third count only what follows its 8 whole pages of 4 (they will share those once the
+    first prompt's prefill is scheduled); without it, everything."""
+    sched, _ = _scheduler(True, cache=cache)
+    system = list(range(1, 35))
+    first, *others = [req(i, 6, 2, prefix=system) for i in range(3)]
+    for r in others:
+        sched.add(r)
+    assert sched._pending_tokens(first, 64) == ([40, 8, 8] if cache else [40, 40, 40])
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_every_prefill_batch_runs_and_holds_consecutive_rows(seed):
     rng = np.random.default_rng(seed)
