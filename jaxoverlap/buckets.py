@@ -40,9 +40,9 @@ class PrefillShapes:
     A row is a segment of one request's prompt, not a whole chunk: `plan` picks the bucket T,
     and each request's chunk is cut into rows of at most T - lead tokens, which one batch
     takes together (within a layer every row's K/V is written before any row attends, so a
-    segment sees the ones before it). Eight prompts of 1088 tokens then run as 8 x 256 rows
-    full of prompt, rather than one 1 x 2048 step each; a lone prompt of 1088 runs as 1024,
-    then 64, rather than 2048.
+    segment sees the ones before it). Eight prompts of 1088 tokens that arrive together then
+    run in five steps, four of them 8 x 256, rather than in eight steps of 1 x 2048; a lone
+    prompt of 1088 runs as 1024, then 64, rather than 2048.
     """
 
     # A prefill step's fixed cost, in tokens' worth of device time: reading the weights and
