@@ -77,27 +77,22 @@ class PrefillShapes:
         Device time is counted as R x T plus a step's fixed cost. With a budget's worth of
         tokens pending, every step can be full: the plan holds the most tokens per unit of
         device time (eight prompts of 1088 tokens: 8 x 256). With less, the plan is the
-        cheapest way to prefill all of it, in this step or in this one and the next: 1088
-        tokens alone run as 1024 + 64 (1856 tokens' worth, two step costs included,
-        against 2432 for one step of 2048), but 1624 as one step of 2048. Ties go to more
-        tokens now, then to fewer rows."""
+        cheapest way to prefill all of it, this step and what it leaves in steps of one
+        shape after it: 1088 tokens alone run as 1024 + 64 (1856 tokens' worth, two step
+        costs included, against 2432 for one step of 2048), but 1624 as one step of 2048.
+        Ties go to more tokens now, then to fewer rows."""
         c = self.step_cost_tokens
-        heavy = sum(pending) >= self.max_padded_tokens
+        total = sum(pending)
+        heavy = total >= self.max_padded_tokens
+        caps = [T - self.lead for T in self.len_buckets]
+        # after[k][j]: rows of at most caps[k] tokens that requests j.. need, for the cost of a
+        # rest (the requests a plan leaves whole).
+        after = [[0] * (len(pending) + 1) for _ in caps]
+        for j in range(len(pending) - 1, -1, -1):
+            for k, cap in enumerate(caps):
+                after[k][j] = after[k][j + 1] + (-(-pending[j] // cap) if cap > 0 else 0)
         best_key, best = None, (self.len_buckets[-1], 1)
-        for T, R, rows, rest in self._options(pending):
-            tokens = sum(rows)
-            if heavy:
-                key = (tokens / (R * T + c), tokens, -R)
-            else:
-                key = (-(R * T + c + (self._one_step_cost(rest) if any(rest) else 0)), tokens, -R)
-            if best_key is None or key > best_key:
-                best_key, best = key, (T, R)
-        return best
-
-    def _options(self, pending: list[int]):
-        """(T, R, the rows' tokens, each request's tokens left) of every shape that runs."""
-        for T in self.len_buckets:
-            cap = T - self.lead
+        for T, cap in zip(self.len_buckets, caps):
             if cap < 1:
                 continue
             rows, owner = [], []  # each row's tokens and request
@@ -106,30 +101,42 @@ class PrefillShapes:
                     rows.append(min(cap, n))
                     owner.append(i)
                     n -= rows[-1]
+                if len(rows) == self.row_buckets[-1]:
+                    break
+            taken = 0
             for R in self.row_buckets:
                 if not self.runs(R, T):
                     break
-                rest = list(pending)
-                for i, n in zip(owner[:R], rows[:R]):
-                    rest[i] -= n
-                yield T, R, rows[:R], rest
+                tokens = sum(rows[:R])
+                if heavy:
+                    key = (tokens / (R * T + c), tokens, -R)
+                else:
+                    j = owner[min(R, len(rows)) - 1]  # the last request with a row in the plan
+                    taken = sum(n for i, n in zip(owner[:R], rows[:R]) if i == j)
+                    rest = pending[j] - taken  # of request j; requests after j are left whole
+                    cost = R * T + c
+                    if rest or j + 1 < len(pending):
+                        cost += self._rest_cost(caps, after, j + 1, rest)
+                    key = (-cost, tokens, -R)
+                if best_key is None or key > best_key:
+                    best_key, best = key, (T, R)
                 if R >= len(rows):  # more rows would be padding
                     break
+        return best
 
-    def _one_step_cost(self, pending: list[int]) -> int:
-        """R x T + step cost of the cheapest shape that prefills all of `pending` at once;
-        if none does, its tokens and a step cost per budget's worth."""
+    def _rest_cost(self, caps, after, j: int, partial: int) -> int:
+        """Device time (R x T + step cost per step) of the cheapest way to prefill what a plan
+        leaves, `partial` tokens of one request and requests j.. whole (`after`), in steps
+        of one shape and as many rows as run (the last step with the rows left)."""
         best = None
-        for T in self.len_buckets:
-            cap = T - self.lead
+        for T, cap, rows_after in zip(self.len_buckets, caps, after):
             if cap < 1:
                 continue
-            num_rows = sum(-(-n // cap) for n in pending)
-            if num_rows <= self.row_buckets[-1]:
-                R = pick(self.row_buckets, max(num_rows, 1))
-                if self.runs(R, T) and (best is None or R * T < best):
-                    best = R * T
-        if best is not None:
-            return best + self.step_cost_tokens
-        total = sum(pending)
-        return total + self.step_cost_tokens * -(-total // self.max_padded_tokens)
+            num_rows = max(-(-partial // cap) + rows_after[j], 1)
+            most = max(R for R in self.row_buckets if self.runs(R, T))
+            full, last = divmod(num_rows, most)
+            cost = full * (most * T + self.step_cost_tokens)
+            if last:
+                cost += pick(self.row_buckets, last) * T + self.step_cost_tokens
+            best = cost if best is None else min(best, cost)
+        return best

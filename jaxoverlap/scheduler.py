@@ -223,7 +223,7 @@ class Scheduler:
         """Prompt tokens left to prefill of the requests the next prefill batch would take,
         in order, each capped at the budget: exact for `first` (admitted), estimated for the
         waiting ones behind it. With the prefix cache on, a waiting prompt's pages in common
-        with an earlier one of these count as cached, as they will be once the earlier
+        with the first or the one just ahead count as cached, as they will be once that
         one's prefill is scheduled (requests that arrive with one system prompt); pages
         cached before are not looked up, so the estimate is high for those."""
         pending = [min(len(first.fill_ids) - first.prefill_pos, budget)]
@@ -241,8 +241,9 @@ class Scheduler:
             if share:
                 ids = req.fill_ids
                 ahead.append(ids)
-                # Only prompts whose first page is the same can share; most differ there.
-                same = [i for i in range(len(ahead) - 1) if ahead[i][:ps] == ids[:ps]]
+                # The first prompt and the one just ahead (a system prompt, n samples of one
+                # prompt), where their first page is the same: most prompts differ there.
+                same = [i for i in {0, len(ahead) - 2} if ahead[i][:ps] == ids[:ps]]
                 if same:
                     mine = head(len(ahead) - 1)
                     shared = max(_common_prefix(mine, head(i)) for i in same) // ps * ps
