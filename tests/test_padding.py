@@ -130,6 +130,9 @@ def test_the_plan(pending, plan, why):
 def test_the_plan_with_a_lead_and_other_step_costs():
     assert PrefillShapes(8, 2048, lead=1).plan([1088]) == (1024, 1)  # 1023 + the lead token
     assert PrefillShapes(8, 2048, step_cost_tokens=2048).plan([1088]) == (2048, 1)  # a second step costs too much
+    # 512 prompts of 6 tokens with 4096 a step: two full steps of 256 x 16, not one row now
+    # and the rest later (the rest counted in the steps it takes, not as dense tokens)
+    assert PrefillShapes(512, 4096).plan([6] * 512) == (16, 256)
     for pending in ([40, 8, 8, 8], [40], [5, 60, 33]):  # every plan runs, and the first gets a row
         for cost in (0, 64, 384):
             shapes = PrefillShapes(4, 64, step_cost_tokens=cost)
