@@ -82,8 +82,7 @@ class PrefillShapes:
         costs included, against 2432 for one step of 2048), but 1624 as one step of 2048.
         Ties go to more tokens now, then to fewer rows."""
         c = self.step_cost_tokens
-        total = sum(pending)
-        heavy = total >= self.max_padded_tokens
+        heavy = sum(pending) >= self.max_padded_tokens
         caps = [T - self.lead for T in self.len_buckets]
         # after[k][j]: rows of at most caps[k] tokens that requests j.. need, for the cost of a
         # rest (the requests a plan leaves whole).
@@ -103,7 +102,6 @@ class PrefillShapes:
                     n -= rows[-1]
                 if len(rows) == self.row_buckets[-1]:
                     break
-            taken = 0
             for R in self.row_buckets:
                 if not self.runs(R, T):
                     break
