@@ -85,11 +85,12 @@ class PrefillShapes:
         heavy = sum(pending) >= self.max_padded_tokens
         caps = [T - self.lead for T in self.len_buckets]
         # after[k][j]: rows of at most caps[k] tokens that requests j.. need, for the cost of a
-        # rest (the requests a plan leaves whole).
+        # rest (the requests a plan leaves whole); only the light case counts rests.
         after = [[0] * (len(pending) + 1) for _ in caps]
-        for j in range(len(pending) - 1, -1, -1):
-            for k, cap in enumerate(caps):
-                after[k][j] = after[k][j + 1] + (-(-pending[j] // cap) if cap > 0 else 0)
+        if not heavy:
+            for j in range(len(pending) - 1, -1, -1):
+                for k, cap in enumerate(caps):
+                    after[k][j] = after[k][j + 1] + (-(-pending[j] // cap) if cap > 0 else 0)
         best_key, best = None, (self.len_buckets[-1], 1)
         for T, cap in zip(self.len_buckets, caps):
             if cap < 1:
