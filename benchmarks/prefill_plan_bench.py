@@ -40,6 +40,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
+    ap.add_argument("--max-prefill-requests", type=int, default=8)
+    ap.add_argument("--max-prefill-rows", type=int, default=None, help="default: --max-prefill-requests")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="prompt lengths times this (--tiny: 1/16, the tiny model's 128-token chunks)")
     ap.add_argument("--tiny", action="store_true")
@@ -58,7 +60,8 @@ def main():
     engine = Engine(EngineConfig(
         model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy",
         dtype="float32" if args.tiny else "bfloat16", max_running_requests=N, max_context_len=max_context,
-        kv_cache_tokens=N * max_context + 1024, page_size=16, max_prefill_requests=8,
+        kv_cache_tokens=N * max_context + 1024, page_size=16, max_prefill_requests=args.max_prefill_requests,
+        max_prefill_rows=args.max_prefill_rows,
         chunked_prefill_size=args.chunked_prefill_size, disable_prefix_cache=True,
     ))
     runner = engine.runner

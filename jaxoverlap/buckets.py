@@ -51,9 +51,9 @@ class PrefillShapes:
     # margin above that favours fewer, fuller steps.
     STEP_COST_TOKENS = 384
 
-    def __init__(self, max_prefill_requests: int, chunked_prefill_size: int, lead: int = 0,
+    def __init__(self, max_rows: int, chunked_prefill_size: int, lead: int = 0,
                  step_cost_tokens: int = STEP_COST_TOKENS):
-        self.row_buckets = powers_of_two_up_to(max_prefill_requests)
+        self.row_buckets = powers_of_two_up_to(max_rows)
         self.len_buckets = powers_of_two_up_to(chunked_prefill_size, start=min(16, chunked_prefill_size))
         self.lead = lead
         self.max_padded_tokens = chunked_prefill_size

@@ -23,7 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context-len", type=int, default=None)
     g.add_argument("--chunked-prefill-size", type=int, default=2048,
                    help="prompt tokens per prefill step at most, and padded rows x tokens")
-    g.add_argument("--max-prefill-requests", type=int, default=8, help="rows of one prefill step at most (a long prompt may take several)")
+    g.add_argument("--max-prefill-requests", type=int, default=8, help="requests of one prefill step at most")
+    g.add_argument("--max-prefill-rows", type=int, default=None,
+                   help="rows of one prefill step at most: prompts are cut into rows of one token bucket, so a "
+                        "long prompt may take several (default: --max-prefill-requests)")
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.85)
     g.add_argument("--disable-overlap", action="store_true", help="use the normal (non-overlap) loop")

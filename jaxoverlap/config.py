@@ -17,7 +17,10 @@ class EngineConfig:
     max_running_requests: int = 64
     max_context_len: int | None = None  # default: min(model's max positions, 4096)
     chunked_prefill_size: int = 2048  # max prompt tokens per prefill step, and max padded rows x tokens
-    max_prefill_requests: int = 8  # max rows of one prefill step (a long prompt may take several)
+    max_prefill_requests: int = 8  # max requests of one prefill step
+    # Max rows of one prefill step: the scheduler cuts prompts into rows of one token bucket
+    # (buckets.PrefillShapes.plan), so a long prompt may take several. None: max_prefill_requests.
+    max_prefill_rows: int | None = None
     kv_cache_tokens: int | None = None  # KV cache capacity in tokens; overrides the fraction
     kv_cache_memory_fraction: float = 0.85  # of device memory left after weights (GPU only)
     disable_overlap: bool = False
@@ -93,6 +96,11 @@ class EngineConfig:
             raise ValueError(f"layers_per_weight_stack must be >= 1, got {self.layers_per_weight_stack}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_requests < 1:
+            raise ValueError(f"max_prefill_requests must be >= 1, got {self.max_prefill_requests}")
+        if self.max_prefill_rows is not None and self.max_prefill_rows < self.max_prefill_requests:
+            raise ValueError(f"max_prefill_rows ({self.max_prefill_rows}) must be >= max_prefill_requests "
+                             f"({self.max_prefill_requests}): each request of a prefill step takes a row")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.load_format not in ("auto", "dummy", "safetensors"):

@@ -264,7 +264,8 @@ class Engine:
                 reserve_slack=(2 * ps if config.reserve_slack_tokens is None else config.reserve_slack_tokens),
                 # The prefill programs' shapes, for the runner too. A speculative prefill row
                 # holds one more token (the one before the chunk).
-                prefill_shapes=PrefillShapes(config.max_prefill_requests, config.chunked_prefill_size,
+                prefill_shapes=PrefillShapes(config.max_prefill_rows or config.max_prefill_requests,
+                                             config.chunked_prefill_size,
                                              lead=1 if spec else 0),
             ),
             PageAllocator(num_pages, ps),

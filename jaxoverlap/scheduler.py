@@ -34,7 +34,7 @@ class SchedulerConfig:
     page_size: int
     max_running: int
     chunked_prefill_size: int
-    max_prefill_requests: int
+    max_prefill_requests: int  # requests one prefill step takes
     max_context_len: int  # a request's prompt + output never exceeds this
     table_width: int  # columns of req_to_token (max_context_len rounded up to pages)
     window: int = 1  # tokens a step can add to a request (1 + draft tokens when speculating)
@@ -196,6 +196,7 @@ class Scheduler:
             first = self.waiting.popleft()
         self.prefilling = None
         max_rows, cap = self.cfg.max_prefill_requests, budget
+        num_requests = 1
         if self.cfg.prefill_shapes is not None:
             T, max_rows = self.cfg.prefill_shapes.plan(self._pending_tokens(first, budget))
             cap = T - self.cfg.prefill_shapes.lead
@@ -204,6 +205,7 @@ class Scheduler:
             budget > 0
             and self.prefilling is None
             and len(rows) < max_rows
+            and num_requests < self.cfg.max_prefill_requests
             # Rows whose prompt this batch completes are in `running` already; a row that
             # does not complete it is `prefilling`, which ends the loop.
             and self._can_admit()
@@ -212,6 +214,7 @@ class Scheduler:
             if not self._admit(req, reservations, headroom):
                 break
             self.waiting.popleft()
+            num_requests += 1
             budget -= self._add_chunk(req, rows, budget, max_rows, cap)
         ctx_len = max(r.start + r.length for r in rows)
         return ScheduledBatch("prefill", rows, reservations, ctx_len)

@@ -103,7 +103,7 @@ def test_padded_rows_write_nothing(algo):
 
 # -- prefill shapes within the chunk budget, rows planned --------------------------------------
 def test_prefill_shapes_rule():
-    shapes = PrefillShapes(max_prefill_requests=8, chunked_prefill_size=2048)
+    shapes = PrefillShapes(max_rows=8, chunked_prefill_size=2048)
     assert shapes.row_buckets == (1, 2, 4, 8) and shapes.len_buckets[0] == 16 and shapes.len_buckets[-1] == 2048
     assert shapes.shape(3, 300) == (4, 512)
     assert shapes.runs(1, 2048) and shapes.runs(8, 256) and shapes.runs(2, 1024)
@@ -133,6 +133,8 @@ def test_the_plan_with_a_lead_and_other_step_costs():
     # 512 prompts of 6 tokens with 4096 a step: two full steps of 256 x 16, not one row now
     # and the rest later (the rest counted in the steps it takes, not as dense tokens)
     assert PrefillShapes(512, 4096).plan([6] * 512) == (16, 256)
+    # With rows to spare, a burst is cut finer: 8 x 1088 as 32 rows of 64 (no padding), not 8 x 256
+    assert PrefillShapes(64, 2048).plan([1088] * 8) == (64, 32)
     for pending in ([40, 8, 8, 8], [40], [5, 60, 33]):  # every plan runs, and the first gets a row
         for cost in (0, 64, 384):
             shapes = PrefillShapes(4, 64, step_cost_tokens=cost)
@@ -141,11 +143,12 @@ def test_the_plan_with_a_lead_and_other_step_costs():
 
 
 def _scheduler(shapes: bool, chunk=64, max_prefill=4, page_size=4, step_cost=PrefillShapes.STEP_COST_TOKENS,
-               cache=True):
+               cache=True, max_rows=None):
     max_context, max_running = 128, 8
     cfg = SchedulerConfig(page_size=page_size, max_running=max_running, chunked_prefill_size=chunk,
                           max_prefill_requests=max_prefill, max_context_len=max_context, table_width=max_context,
-                          prefill_shapes=PrefillShapes(max_prefill, chunk, step_cost_tokens=step_cost) if shapes else None)
+                          prefill_shapes=PrefillShapes(max_rows or max_prefill, chunk, step_cost_tokens=step_cost)
+                          if shapes else None)
     sched = Scheduler(cfg, PageAllocator(256, page_size), EntryAllocator(max_running), PrefixCache(page_size, cache))
     return sched, FakeDevice(max_running + 1, max_context, page_size)
 
@@ -186,6 +189,21 @@ def test_a_long_prompt_is_cut_into_rows(shapes):
         assert [(start, is_last) for _, start, _, is_last in rows] == [(0, False), (16, False), (32, True)]
     else:
         assert _lengths(seen)[0] == [40, 8, 8, 8]
+
+
+def test_more_rows_than_requests():
+    """Rows and requests are limited apart (EngineConfig.max_prefill_rows). Two prompts of
+    40 with 4 rows and 2 requests a step start as 4 x 16 (56 tokens); with 2 rows, as
+    1 x 32 (2 x 16 holds as many tokens, in more rows). A third request waits for a later step all the same."""
+    arrivals = {0: [req(0, 40, 2), req(1, 40, 2), req(2, 8, 2)]}
+    sched, dev = _scheduler(True, max_prefill=2, max_rows=4, step_cost=16)
+    seen, done = _prefill_batches(sched, dev, arrivals)
+    assert len(done) == 3
+    assert seen[0] == [("r0", 0, 16, False), ("r0", 16, 16, False), ("r0", 32, 8, True), ("r1", 0, 16, False)]
+    assert all(len({rid for rid, *_ in rows}) <= 2 for rows in seen)
+    sched, dev = _scheduler(True, max_prefill=2, step_cost=16)  # rows = requests
+    seen, done = _prefill_batches(sched, dev, {0: [req(0, 40, 2), req(1, 40, 2), req(2, 8, 2)]})
+    assert len(done) == 3 and _lengths(seen)[0] == [32] and max(len(rows) for rows in seen) <= 2
 
 
 @pytest.mark.parametrize("cache", [True, False])
@@ -241,7 +259,9 @@ def test_rows_of_one_chunk_give_the_tokens_of_whole_chunks(algo):
         extra = dict(draft_model_config=cfg, draft_params=tiny_params(cfg, 1))
     results = {}
     for planned in (True, False):
-        engine = make_engine(kv_cache_tokens=1024, chunked_prefill_size=64, max_prefill_requests=4,
+        # Planned: 2 requests a step, in up to 4 rows (max_prefill_rows); whole: 4 and 4.
+        engine = make_engine(kv_cache_tokens=1024, chunked_prefill_size=64, max_prefill_requests=2 if planned else 4,
+                             max_prefill_rows=4,
                              **({"speculative_algorithm": algo} if algo else {}), **extra)
         shapes = engine.scheduler.cfg.prefill_shapes  # the runner's too: one object
         if not planned:  # one row per request: rows as long as the budget allows
@@ -263,4 +283,6 @@ def test_rows_of_one_chunk_give_the_tokens_of_whole_chunks(algo):
     np.testing.assert_allclose(lp_planned[1:], lp_whole[1:], rtol=1e-4, atol=1e-4)
     for rid in "ae":  # the penalized and the scored prompt in several rows of one step
         assert any([r for r, _ in rows].count(rid) > 1 for rows in planned_rows)
+    assert max(len(rows) for rows in planned_rows) > 2  # more rows than requests
+    assert all(len({rid for rid, _ in rows}) <= 2 for rows in planned_rows)
     assert all(len(rows) == len({rid for rid, _ in rows}) for rows in whole_rows)
