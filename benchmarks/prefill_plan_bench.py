@@ -13,6 +13,7 @@ tokens every run, prefix cache off:
 Each runs `--runs` times after one warm run (every program compiled first).
 
     python benchmarks/prefill_plan_bench.py --out prefill_plan.json
+    python benchmarks/prefill_plan_bench.py --max-prefill-rows 64   # finer rows, 8 requests a step
     python benchmarks/prefill_plan_bench.py --tiny          # CPU smoke run
 """
 from __future__ import annotations

@@ -206,6 +206,23 @@ def test_more_rows_than_requests():
     assert len(done) == 3 and _lengths(seen)[0] == [32] and max(len(rows) for rows in seen) <= 2
 
 
+def test_max_prefill_rows_option():
+    import argparse
+
+    from jaxoverlap.cli import add_engine_args, engine_options
+    from jaxoverlap.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    options = engine_options(parser.parse_args(["--max-prefill-requests", "4", "--max-prefill-rows", "32"]))
+    assert options["max_prefill_rows"] == 32 and options["max_prefill_requests"] == 4
+    assert engine_options(parser.parse_args([]))["max_prefill_rows"] is None
+    with pytest.raises(ValueError, match="max_prefill_rows"):
+        EngineConfig(max_prefill_requests=8, max_prefill_rows=4)  # every request of a step takes a row
+    with pytest.raises(ValueError, match="max_prefill_requests"):
+        EngineConfig(max_prefill_requests=0)
+
+
 @pytest.mark.parametrize("cache", [True, False])
 def test_the_plan_counts_pages_that_earlier_prompts_will_share(cache):
     """Three prompts with one 34-token system prompt: with the prefix cache, the second and
