@@ -612,7 +612,7 @@ class Engine:
         }
 
     def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int = 8,
-               prefill: bool = False) -> list[dict]:
+               prefill: bool = False, top_logprobs: bool = False) -> list[dict]:
         """Compile the decode programs before traffic arrives, by default every batch bucket
         at every context bucket, greedy (pass sampling=(False, True) for both programs), and
         run each once on padding rows, so that a program's first execution (XLA records its
@@ -622,11 +622,14 @@ class Engine:
         With `prefill`, every prefill program (each rows x tokens bucket) is compiled too,
         before the runs: then no request compiles anything, and no compilation after the
         warm-up makes XLA drop the decode programs' recorded graphs (it drops every
-        executable's graphs whenever it loads a new one). Returns the compile (and run) time
-        of each program (ModelRunner.precompile)."""
+        executable's graphs whenever it loads a new one). With `top_logprobs`, each program's
+        variant that returns top logprobs too (twice the programs), which runs while any row
+        of the batch asks for them (SamplingParams.top_logprobs). Returns the compile (and
+        run) time of each program (ModelRunner.precompile)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
-        compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads, execute=True, prefill=prefill)
+        compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads, execute=True, prefill=prefill,
+                                          top_logprobs=(False, True) if top_logprobs else (False,))
         self._freeze_gc()  # the programs' own long-lived objects too
         return compiled
 

@@ -422,7 +422,7 @@ class ModelRunner:
 
     # -- ahead-of-time compilation -----------------------------------------------------------
     def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int = 8,
-                   execute: bool = False, prefill: bool = False) -> list[dict]:
+                   execute: bool = False, prefill: bool = False, top_logprobs=(False,)) -> list[dict]:
         """Compile the decode programs (plain or speculative) of these buckets before they
         are needed: by default every batch bucket at every decode context bucket, greedy.
         With `prefill`, also every prefill program: each (rows, tokens) bucket at each
@@ -436,40 +436,45 @@ class ModelRunner:
         decode program then runs once on padding rows (`_run_padding_step`), after every
         compilation: loading a new executable makes XLA drop the CUDA graphs recorded for
         all others (its command buffer eviction), so a program compiled after the runs
-        would undo them.
+        would undo them. `top_logprobs` (False, True) also compiles the variant of each
+        program that returns top logprobs (`batch_top_logprobs`), which a batch runs while
+        any of its rows asks for them.
 
         Returns one {program, ..., seconds} per program: decode rows name batch, ctx_len,
-        sampling, draft (and run_seconds when executed); prefill rows name rows, tokens,
-        ctx_len."""
+        sampling, draft, top_logprobs (and run_seconds when executed); prefill rows name
+        rows, tokens, ctx_len, top_logprobs."""
         from concurrent.futures import ThreadPoolExecutor
 
         import jax
 
-        jobs = [("decode", B, ctx, bool(s), d) for B in (batch_sizes or self.batch_buckets)
-                for ctx in (ctx_lens or self.decode_ctx_buckets) for s in sampling for d in self.decode_variants(B)]
+        tops = tuple(dict.fromkeys(bool(t) for t in top_logprobs))
+        jobs = [("decode", B, ctx, bool(s), d, t) for B in (batch_sizes or self.batch_buckets)
+                for ctx in (ctx_lens or self.decode_ctx_buckets) for s in sampling for d in self.decode_variants(B)
+                for t in tops]
         if prefill:
-            jobs += [("prefill", R, T, ctx) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
-                     for ctx in self.prefill_ctx_buckets if self.prefill_shapes.runs(R, T)]
+            jobs += [("prefill", R, T, ctx, t) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
+                     for ctx in self.prefill_ctx_buckets if self.prefill_shapes.runs(R, T) for t in tops]
 
-        def compile_decode(B, ctx, s, draft):
+        def compile_decode(B, ctx, s, draft, top):
             empty = steps.DecodeInputs.empty(B, self._decode_res_capacity(B))
             host = self._no_host_drafts(B) if draft else None
             # Placed as launch places them (DeviceInputs), so that both meet in one cache entry.
             put = functools.partial(jax.device_put, device=self.inputs.sharding)
             inputs = steps.DecodeInputs(put(empty.packed), batch=B)
-            step, args, static = self._decode_program(inputs, host, ctx, s, draft)
+            step, args, static = self._decode_program(inputs, host, ctx, s, draft, top)
             compiled = step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs or is donated
             twin = self._copy_executable(compiled) if self.alternate_executables else None
-            self._executables[self._program_key(B, host is not None, ctx, s, draft)] = (compiled, twin)
-            return {"program": "decode", "batch": B, "ctx_len": ctx, "sampling": s, "draft": draft}
+            self._executables[self._program_key(B, host is not None, ctx, s, draft, top)] = (compiled, twin)
+            return {"program": "decode", "batch": B, "ctx_len": ctx, "sampling": s, "draft": draft,
+                    "top_logprobs": top}
 
-        def compile_prefill(R, T, ctx):
+        def compile_prefill(R, T, ctx, top):
             # Numpy, as a prefill launch passes its inputs.
-            inp = self._prefill_inputs([], R, T)
+            inp = dataclasses.replace(self._prefill_inputs([], R, T), top_logprobs=top)
             res = steps.Reservations.empty(self._prefill_res_capacity(R))
             step, args, static = self._prefill_program(inp, res, ctx)
-            self._prefill_executables[self._prefill_key(R, T, ctx)] = step.lower(*args, **static).compile()
-            return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx}
+            self._prefill_executables[self._prefill_key(R, T, ctx, top=top)] = step.lower(*args, **static).compile()
+            return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx, "top_logprobs": top}
 
         def compile_one(job):
             t = time.perf_counter()
@@ -482,7 +487,8 @@ class ModelRunner:
             for row in report:
                 if row["program"] == "decode":
                     t = time.perf_counter()
-                    self._run_padding_step(row["batch"], row["ctx_len"], row["sampling"], row["draft"])
+                    self._run_padding_step(row["batch"], row["ctx_len"], row["sampling"], row["draft"],
+                                           row["top_logprobs"])
                     row["run_seconds"] = time.perf_counter() - t
             jax.block_until_ready(self.state)
         return report
@@ -495,7 +501,7 @@ class ModelRunner:
 
         return HostDrafts(np.zeros((B, self.spec.num_draft), np.int32), np.zeros((B,), np.int32))
 
-    def _run_padding_step(self, B: int, ctx_len: int, sampling: bool, draft: bool) -> None:
+    def _run_padding_step(self, B: int, ctx_len: int, sampling: bool, draft: bool, top: bool = False) -> None:
         """Launch one decode program with padding rows only, once on each of its executables,
         with its input array passed as a launch passes it. A program's first execution does
         work that compiling does not: XLA records its CUDA graph (6-8 ms for a decode step on
@@ -506,9 +512,9 @@ class ModelRunner:
         packed = self._as_sent(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed)
         inputs = steps.DecodeInputs(packed, batch=B)
         host = self._no_host_drafts(B) if draft else None
-        key = self._program_key(B, host is not None, ctx_len, sampling, draft)
+        key = self._program_key(B, host is not None, ctx_len, sampling, draft, top)
         for _ in range(2 if self.alternate_executables else 1):
-            step, args, static = self._decode_program(inputs, host, ctx_len, sampling, draft)  # today's state
+            step, args, static = self._decode_program(inputs, host, ctx_len, sampling, draft, top)  # today's state
             self.state, _ = self._call_decode(key, step, args, static)
 
     # -- prefill ------------------------------------------------------------------------------
@@ -530,8 +536,8 @@ class ModelRunner:
         step, args, static = self._prefill_program(inp, res, ctx_len)
         # A program the warm-up compiled runs as that executable (see `_call_decode` for why
         # not through jit); any other compiles on its first launch, as does the variant that
-        # returns prompt logprobs or top logprobs (never warmed up: offline scoring, not
-        # serving latency).
+        # returns prompt logprobs (never warmed up: offline scoring, not serving latency) and
+        # the one that returns top logprobs unless the warm-up was asked for it.
         scoring, top = inp.targets is not None, inp.top_logprobs
         compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring, top))
         self.state, out = compiled(*args) if compiled is not None else step(*args, **static)

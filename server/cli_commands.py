@@ -69,6 +69,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--precompile", choices=("auto", "on", "all", "off"), default="auto",
          help="compile every decode batch bucket, greedy and sampling, before serving (auto: on GPU only); "
               "all: every prefill bucket too, so that no request compiles")
+    _add(g, "--precompile-top-logprobs", action="store_true",
+         help="with --precompile: also each program's variant that returns top logprobs (twice the "
+              "programs), so that the first request asking for top_logprobs compiles nothing")
     return parser
 
 
@@ -98,6 +101,16 @@ def serve_engine_config(engine_options: dict):
     return EngineConfig.from_options(model, **opts), server_max_queued
 
 
+def serve_worker_options(args) -> dict:
+    """What the engine's worker does before it serves (EngineWorker / EngineProcess options),
+    from the serve command's --no-warmup, --precompile and --precompile-top-logprobs."""
+    precompile = getattr(args, "precompile", "auto")
+    return dict(warmup=not getattr(args, "no_warmup", False),
+                precompile={"on": True, "all": True, "off": False}.get(precompile, "auto"),
+                precompile_prefill=precompile == "all",
+                precompile_top_logprobs=getattr(args, "precompile_top_logprobs", False))
+
+
 def run_serve(args, engine_options: dict) -> int:
     """Build the engine from engine_options, serve it until SIGINT/SIGTERM, shut down gracefully."""
     from jaxoverlap.server.engine_worker import EngineWorker
@@ -105,10 +118,7 @@ def run_serve(args, engine_options: dict) -> int:
     if not logging.getLogger().handlers:  # warnings of the server (drain, engine death) on stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config, server_max_queued = serve_engine_config(engine_options)
-    precompile = getattr(args, "precompile", "auto")
-    worker_options = dict(warmup=not getattr(args, "no_warmup", False),
-                          precompile={"on": True, "all": True, "off": False}.get(precompile, "auto"),
-                          precompile_prefill=precompile == "all")
+    worker_options = serve_worker_options(args)
     if getattr(args, "engine_thread", False):
         worker = EngineWorker(engine_factory=functools.partial(build_engine, config), **worker_options)
     else:

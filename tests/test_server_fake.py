@@ -488,23 +488,26 @@ def test_auth_token_file(tmp_path):
 def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
     engine = _fake()
     seen = []
-    def warmup(sampling, prefill):
-        seen.append((threading.current_thread().name, prefill, sampling))
+    def warmup(sampling, prefill, top_logprobs):
+        seen.append((threading.current_thread().name, prefill, sampling, top_logprobs))
         return [{"batch": 1}]
 
     engine.warmup = warmup
     worker = EngineWorker(engine, precompile=True, name="engine-thread-under-test").start()
     try:  # by default the sampling decode programs too: a server cannot know if clients sample
-        assert seen == [("engine-thread-under-test", False, (False, True))]
+        assert seen == [("engine-thread-under-test", False, (False, True), False)]
     finally:
         worker.stop()
     # --precompile all: the prefill programs too; greedy only where the caller says so.
     EngineWorker(engine, precompile=True, precompile_prefill=True, precompile_sampling=[False], name="t2").start().stop()
-    assert seen[-1] == ("t2", True, (False,))
+    assert seen[-1] == ("t2", True, (False,), False)
+    # --precompile-top-logprobs: each program's top-logprobs variant too.
+    EngineWorker(engine, precompile=True, precompile_top_logprobs=True, name="t3").start().stop()
+    assert seen[-1] == ("t3", False, (False, True), True)
     plain = _fake()
     plain.warmup = lambda **_: seen.append("unexpected") or []
     EngineWorker(plain).start().stop()
-    assert seen[-1] == ("t2", True, (False,))
+    assert seen[-1] == ("t3", False, (False, True), True)
 
 
 def test_stop_closes_an_engine_the_worker_built_and_only_that():
