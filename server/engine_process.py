@@ -63,7 +63,8 @@ class EngineProcess(EngineCalls):
     function) in a spawned process and serves it with EngineWorker's methods.
 
     `warmup`, `precompile` ("auto": on a GPU only), `precompile_prefill`,
-    `precompile_sampling` and `precompile_top_logprobs` as in EngineWorker; they run in the child before `start()` returns.
+    `precompile_sampling` and `precompile_top_logprobs` as in EngineWorker; they run in the
+    child before `start()` returns.
     `call(fn)` runs a picklable fn(engine) in the child between two steps and returns its
     (picklable) result.
     """
