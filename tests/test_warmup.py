@@ -318,21 +318,19 @@ def test_compile_watch_counts_compilations_of_its_own_thread_only():
     assert watch.programs == 1
 
 
-@pytest.mark.parametrize("algo", [None, "ngram_device"])
-def test_warmup_with_top_logprobs_leaves_nothing_to_compile(algo):
+def test_warmup_with_top_logprobs_leaves_nothing_to_compile():
     """warmup(top_logprobs=True) (`jaxoverlap serve --precompile-top-logprobs`) also compiles
     each program's variant that returns top logprobs, so that requests asking for them,
     among others that do not, compile nothing; without it the same workload compiles the
     variants on first use (the check can fail)."""
-    opts = dict(batch_buckets=(4,), max_context_len=64, max_prefill_requests=2, chunked_prefill_size=32,
-                **({"speculative_algorithm": algo} if algo else {}))
+    opts = dict(batch_buckets=(4,), max_context_len=64, max_prefill_requests=2, chunked_prefill_size=32)
     top = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, top_logprobs=3)
     plain = SamplingParams(max_new_tokens=4, temperature=0.7, ignore_eos=True)
     workload = {0: [("a", [3, 4, 5, 6, 7, 8], top), ("b", [9, 10, 11], plain)],
                 2: [("c", list(range(2, 22)), plain)], 5: [("d", [5, 5, 6], top)]}
     counts = {}
     # Model shapes no other test uses, so that jit's in-process cache holds none of their programs.
-    for hidden, with_top in ((72, False), (88, True)) if algo is None else ((80, False), (96, True)):
+    for hidden, with_top in ((72, False), (88, True)):
         eng = make_engine(tiny_config(hidden_size=hidden, head_dim=hidden // 4), **opts)
         report = eng.warmup(prefill=True, sampling=(False, True), top_logprobs=with_top)
         assert {x["top_logprobs"] for x in report} == ({False, True} if with_top else {False})
