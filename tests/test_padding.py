@@ -194,15 +194,19 @@ def test_a_long_prompt_is_cut_into_rows(shapes):
 def test_more_rows_than_requests():
     """Rows and requests are limited apart (EngineConfig.max_prefill_rows). Two prompts of
     40 with 4 rows and 2 requests a step start as 4 x 16 (56 tokens); with 2 rows, as
-    1 x 32 (2 x 16 holds as many tokens, in more rows). A third request waits for a later step all the same."""
-    arrivals = {0: [req(0, 40, 2), req(1, 40, 2), req(2, 8, 2)]}
+    1 x 32 (2 x 16 holds as many tokens, in more rows). A third request waits for a later
+    step all the same."""
+
+    def arrivals():  # fresh requests for each scheduler
+        return {0: [req(0, 40, 2), req(1, 40, 2), req(2, 8, 2)]}
+
     sched, dev = _scheduler(True, max_prefill=2, max_rows=4, step_cost=16)
-    seen, done = _prefill_batches(sched, dev, arrivals)
+    seen, done = _prefill_batches(sched, dev, arrivals())
     assert len(done) == 3
     assert seen[0] == [("r0", 0, 16, False), ("r0", 16, 16, False), ("r0", 32, 8, True), ("r1", 0, 16, False)]
     assert all(len({rid for rid, *_ in rows}) <= 2 for rows in seen)
     sched, dev = _scheduler(True, max_prefill=2, step_cost=16)  # rows = requests
-    seen, done = _prefill_batches(sched, dev, {0: [req(0, 40, 2), req(1, 40, 2), req(2, 8, 2)]})
+    seen, done = _prefill_batches(sched, dev, arrivals())
     assert len(done) == 3 and _lengths(seen)[0] == [32] and max(len(rows) for rows in seen) <= 2
 
 
