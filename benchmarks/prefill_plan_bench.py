@@ -14,6 +14,7 @@ Each runs `--runs` times after one warm run (every program compiled first).
 
     python benchmarks/prefill_plan_bench.py --out prefill_plan.json
     python benchmarks/prefill_plan_bench.py --max-prefill-rows 64   # finer rows, 8 requests a step
+    python benchmarks/prefill_plan_bench.py --temperature 0.8   # sampled: top_p sorts each row's logits
     python benchmarks/prefill_plan_bench.py --tiny          # CPU smoke run
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main():
     ap.add_argument("--max-prefill-rows", type=int, default=None, help="default: --max-prefill-requests")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="prompt lengths times this (--tiny: 1/16, the tiny model's 128-token chunks)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default="prefill_plan.json")
     args = ap.parse_args()
@@ -76,7 +78,9 @@ def main():
     runner._launch_prefill = traced
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    # temperature > 0: every prefill row also sorts the vocabulary (top_p), as sampled traffic does.
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature,
+                            top_p=0.95 if args.temperature > 0 else 1.0, seed=0, ignore_eos=True)
 
     def run(workload: str, label: str):
         launched.clear()

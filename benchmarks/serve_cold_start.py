@@ -88,6 +88,8 @@ def workload(target: str, args, vocab: int, seed: int) -> dict:
     def one(i: int):
         prompt = [int(t) for t in rng.integers(100, vocab, lengths[i])]
         sampling = dict(temperature=0.8, top_p=0.95, seed=i) if i % 2 else dict(temperature=0.0)
+        if args.top_logprobs and i % 4 < 2:  # a greedy and a sampled request in every four
+            sampling.update(logprobs=True, top_logprobs=5)
         with GenerationClient(target, timeout=args.timeout_s) as client:
             res = client.generate_text(prompt, max_new_tokens=args.output_len, ignore_eos=True, **sampling)
         return res.completion_tokens
@@ -104,6 +106,7 @@ def main():
     ap.add_argument("--precompile", default="all", choices=("auto", "on", "all", "off"))
     ap.add_argument("--max-running-requests", type=int, default=32)
     ap.add_argument("--max-prefill-requests", type=int, default=8)
+    ap.add_argument("--max-prefill-rows", type=int, default=None, help="default: --max-prefill-requests")
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
     ap.add_argument("--max-context-len", type=int, default=4096)
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -112,9 +115,14 @@ def main():
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--cache-dir", default=None, help="compilation cache folder (default: a new temporary one)")
     ap.add_argument("--timeout-s", type=float, default=900, help="per start, and per request")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    ap.add_argument("--top-logprobs", action="store_true",
+                    help="the server precompiles the top-logprobs programs and half the requests ask for them")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and small buckets (CPU smoke run)")
     ap.add_argument("--out", default="serve_cold_start.json")
     args = ap.parse_args()
+    if args.tiny:  # small buckets: XLA:CPU runs out of memory mappings for all of the default ones
+        args.max_running_requests, args.chunked_prefill_size, args.max_context_len = 8, 128, 512
+        args.max_prompt_len, args.num_prompts = min(args.max_prompt_len, 300), min(args.num_prompts, 16)
     ensure_importable()
 
     config = TINY if args.tiny else QWEN3_8B
@@ -133,6 +141,10 @@ def main():
                    "--chunked-prefill-size", str(args.chunked_prefill_size),
                    "--max-context-len", str(args.max_context_len),
                    "--kv-cache-tokens", str(args.max_running_requests * (args.max_prompt_len + args.output_len + 64))]
+            if args.max_prefill_rows is not None:
+                cmd += ["--max-prefill-rows", str(args.max_prefill_rows)]
+            if args.top_logprobs:
+                cmd.append("--precompile-top-logprobs")
             log_path = os.path.join(log_dir, f"serve_{start}.log")
             proc, target, ready_s = start_server(cmd, log_path, args.timeout_s)
             try:

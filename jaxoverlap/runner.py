@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 
 import numpy as np
@@ -26,6 +27,30 @@ from jaxoverlap.models.params import ModelParams, layers_per_stack
 from jaxoverlap.penalties import MAX_STOP_IDS, NEUTRAL, PrefillPenaltyInputs
 from jaxoverlap.sampling_params import MAX_LOGIT_BIAS
 from jaxoverlap.scheduler import ScheduledBatch
+
+
+# XLA:CPU keeps each compiled kernel's code and data in memory mappings of their own: about
+# 140 per decode program of the tiny test model, 300 per prefill program. Past Linux's
+# vm.max_map_count (65530 by default) mmap fails and LLVM aborts the whole process, so
+# precompiling on a CPU stops while this many mappings are still free (8 threads compiling
+# large programs at once fit in it).
+CPU_MAP_RESERVE = 8000
+
+
+class PrecompileLimitError(RuntimeError):
+    """Precompiling stopped before the process would run out of memory mappings (XLA:CPU)."""
+
+
+def memory_map_headroom() -> int | None:
+    """How many more memory mappings this process may make (vm.max_map_count minus the
+    ones it holds), or None where the system does not say (not Linux)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            return limit - sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
 
 
 @dataclasses.dataclass
@@ -476,9 +501,22 @@ class ModelRunner:
             self._prefill_executables[self._prefill_key(R, T, ctx, top=top)] = step.lower(*args, **static).compile()
             return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx, "top_logprobs": top}
 
+        check_maps = jax.default_backend() == "cpu"
+        stop = threading.Event()  # set by the job that found the mappings short: the rest skip
+
         def compile_one(job):
+            if stop.is_set():
+                return None
             t = time.perf_counter()
             row = compile_decode(*job[1:]) if job[0] == "decode" else compile_prefill(*job[1:])
+            headroom = memory_map_headroom() if check_maps else None
+            if headroom is not None and headroom < CPU_MAP_RESERVE:
+                stop.set()
+                raise PrecompileLimitError(
+                    f"precompiling {len(jobs)} programs stopped early: XLA:CPU holds memory mappings for each "
+                    f"compiled program, and this process may make only {headroom} more (vm.max_map_count); "
+                    f"past it the process would abort. Precompile fewer programs (decode only, fewer batch or "
+                    f"prefill buckets) or raise the limit (sysctl vm.max_map_count)")
             return dict(row, seconds=time.perf_counter() - t)
 
         with ThreadPoolExecutor(max(1, threads)) as pool:

@@ -344,3 +344,19 @@ def test_warmup_with_top_logprobs_leaves_nothing_to_compile():
     # Everything else was warmed up, so what compiles here is the top-logprobs variants.
     assert counts[False] > 0, "top logprobs compile nothing without their warm-up: the check cannot fail"
     assert counts[True] == 0, f"{counts[True]} programs compiled after warmup(top_logprobs=True)"
+
+
+def test_precompile_on_a_cpu_stops_with_a_clear_error_before_memory_mappings_run_out(monkeypatch):
+    """XLA:CPU holds memory mappings per compiled program; past vm.max_map_count LLVM would
+    abort the process. With too few mappings left, the precompile stops (the queued
+    programs are skipped) and says why, instead."""
+    from jaxoverlap import runner as runner_module
+
+    assert runner_module.memory_map_headroom() > 0  # Linux: the limit and the maps are readable
+    eng = make_engine(batch_buckets=(2, 4), max_context_len=64, disable_prefix_cache=True)
+    headroom = iter([runner_module.CPU_MAP_RESERVE + 1, runner_module.CPU_MAP_RESERVE - 1])
+    monkeypatch.setattr(runner_module, "memory_map_headroom", lambda: next(headroom, 0))
+    with pytest.raises(runner_module.PrecompileLimitError, match="vm.max_map_count"):
+        eng.warmup(threads=1)
+    jobs = len(eng.runner.batch_buckets) * len(eng.runner.decode_ctx_buckets)
+    assert jobs > 2 and len(eng.runner._executables) == 2  # the third and later were skipped
