@@ -13,7 +13,7 @@ tokens every run, prefix cache off:
 Each runs `--runs` times after one warm run (every program compiled first).
 
     python benchmarks/prefill_plan_bench.py --out prefill_plan.json
-    python benchmarks/prefill_plan_bench.py --max-prefill-rows 64   # finer rows, 8 requests a step
+    python benchmarks/prefill_plan_bench.py --max-prefill-rows 8    # one row per request (the old default)
     python benchmarks/prefill_plan_bench.py --temperature 0.8   # sampled: top_p sorts each row's logits
     python benchmarks/prefill_plan_bench.py --tiny          # CPU smoke run
 """
@@ -43,7 +43,8 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
     ap.add_argument("--max-prefill-requests", type=int, default=8)
-    ap.add_argument("--max-prefill-rows", type=int, default=None, help="default: --max-prefill-requests")
+    ap.add_argument("--max-prefill-rows", type=int, default=None,
+                    help="default: one per 32 tokens of the chunk budget (EngineConfig.prefill_rows)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="prompt lengths times this (--tiny: 1/16, the tiny model's 128-token chunks)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")

@@ -104,13 +104,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--starts", type=int, default=2, help="server starts in turn, one cache folder for all")
     ap.add_argument("--precompile", default="all", choices=("auto", "on", "all", "off"))
-    ap.add_argument("--max-running-requests", type=int, default=32)
+    ap.add_argument("--max-running-requests", type=int, default=None, help="default 32 (--tiny: smaller)")
     ap.add_argument("--max-prefill-requests", type=int, default=8)
-    ap.add_argument("--max-prefill-rows", type=int, default=None, help="default: --max-prefill-requests")
-    ap.add_argument("--chunked-prefill-size", type=int, default=2048)
-    ap.add_argument("--max-context-len", type=int, default=4096)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-prompt-len", type=int, default=1024)
+    ap.add_argument("--max-prefill-rows", type=int, default=None,
+                    help="default: one per 32 tokens of the chunk budget (EngineConfig.prefill_rows)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="default 2048 (--tiny: smaller)")
+    ap.add_argument("--max-context-len", type=int, default=None, help="default 4096 (--tiny: smaller)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="default 64 (--tiny: smaller)")
+    ap.add_argument("--max-prompt-len", type=int, default=None, help="default 1024 (--tiny: smaller)")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--cache-dir", default=None, help="compilation cache folder (default: a new temporary one)")
@@ -120,9 +121,16 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model and small buckets (CPU smoke run)")
     ap.add_argument("--out", default="serve_cold_start.json")
     args = ap.parse_args()
-    if args.tiny:  # small buckets: XLA:CPU runs out of memory mappings for all of the default ones
-        args.max_running_requests, args.chunked_prefill_size, args.max_context_len = 8, 128, 512
-        args.max_prompt_len, args.num_prompts = min(args.max_prompt_len, 300), min(args.num_prompts, 16)
+    # Options not given take these defaults; --tiny's buckets are small because XLA:CPU runs
+    # out of memory mappings for every program of the large ones (runner.PrecompileLimitError).
+    defaults = dict(max_running_requests=32, chunked_prefill_size=2048, max_context_len=4096, num_prompts=64,
+                    max_prompt_len=1024)
+    if args.tiny:
+        defaults.update(max_running_requests=8, chunked_prefill_size=128, max_context_len=512, num_prompts=16,
+                        max_prompt_len=300)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     ensure_importable()
 
     config = TINY if args.tiny else QWEN3_8B

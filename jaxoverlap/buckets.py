@@ -41,8 +41,8 @@ class PrefillShapes:
     and each request's chunk is cut into rows of at most T - lead tokens, which one batch
     takes together (within a layer every row's K/V is written before any row attends, so a
     segment sees the ones before it). Eight prompts of 1088 tokens that arrive together then
-    run in five steps, four of them 8 x 256, rather than in eight steps of 1 x 2048; a lone
-    prompt of 1088 runs as 1024, then 64, rather than 2048.
+    run in five steps, four of them 32 x 64 (8 x 256 with 8 rows), rather than in eight
+    steps of 1 x 2048; a lone prompt of 1088 runs as 1024, then 64, rather than 2048.
     """
 
     # A prefill step's fixed cost, in tokens' worth of device time: reading the weights and
@@ -52,8 +52,9 @@ class PrefillShapes:
     STEP_COST_TOKENS = 384
 
     def __init__(self, max_rows: int, chunked_prefill_size: int, lead: int = 0,
-                 step_cost_tokens: int = STEP_COST_TOKENS):
+                 step_cost_tokens: int = STEP_COST_TOKENS, max_requests: int | None = None):
         self.row_buckets = powers_of_two_up_to(max_rows)
+        self.max_requests = max_requests  # of one step (None: a request per row at most)
         self.len_buckets = powers_of_two_up_to(chunked_prefill_size, start=min(16, chunked_prefill_size))
         self.lead = lead
         self.max_padded_tokens = chunked_prefill_size
@@ -62,6 +63,11 @@ class PrefillShapes:
     def shape(self, num_rows: int, longest: int) -> tuple[int, int]:
         """(R, T) of a batch of `num_rows` rows whose longest chunk has `longest` tokens."""
         return pick(self.row_buckets, num_rows), pick(self.len_buckets, self.lead + longest)
+
+    def sampled_rows(self, R: int) -> int:
+        """How many rows of an R-row prefill can end a request's chunk (its last segment),
+        so need the token sampled after them: one per request the step may hold."""
+        return R if self.max_requests is None else min(R, self.max_requests)
 
     def runs(self, R: int, T: int) -> bool:
         """Whether the scheduler can launch a prefill of this shape."""
@@ -76,10 +82,11 @@ class PrefillShapes:
 
         Device time is counted as R x T plus a step's fixed cost. With a budget's worth of
         tokens pending, every step can be full: the plan holds the most tokens per unit of
-        device time (eight prompts of 1088 tokens: 8 x 256). With less, the plan is the
-        cheapest way to prefill all of it, this step and what it leaves in steps of one
-        shape after it: 1088 tokens alone run as 1024 + 64 (1856 tokens' worth, two step
-        costs included, against 2432 for one step of 2048), but 1624 as one step of 2048.
+        device time (eight prompts of 1088 tokens: 32 x 64, or 8 x 256 with 8 rows). With
+        less, the plan is the cheapest way to prefill all of it, this step and what it
+        leaves in steps of one shape after it: 1088 tokens alone run as 1024 + 64 (1856
+        tokens' worth, two step costs included, against 2432 for one step of 2048), but
+        1624 as one step of 2048.
         Ties go to more tokens now, then to fewer rows."""
         c = self.step_cost_tokens
         heavy = sum(pending) >= self.max_padded_tokens

@@ -26,7 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-requests", type=int, default=8, help="requests of one prefill step at most")
     g.add_argument("--max-prefill-rows", type=int, default=None,
                    help="rows of one prefill step at most: prompts are cut into rows of one token bucket, so a "
-                        "long prompt may take several (default: --max-prefill-requests)")
+                        "long prompt may take several (default: one per 32 tokens of --chunked-prefill-size, "
+                        "at least --max-prefill-requests: 64 for 2048)")
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.85)
     g.add_argument("--disable-overlap", action="store_true", help="use the normal (non-overlap) loop")

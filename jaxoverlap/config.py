@@ -5,6 +5,11 @@ import dataclasses
 
 SPECULATIVE_ALGORITHMS = (None, "eagle", "draft_model", "ngram", "ngram_device")
 DECODE_INPUTS = ("every_step", "on_change")
+# Default rows of a prefill step: one per this many tokens of the chunk budget (2048 -> 64),
+# the prefill attention kernel's query tile, so that a finer row adds no attention work.
+# On an H100 (2026-12-06), 64 rows against 8 prefilled 8-16 prompts arriving together
+# 1.06-1.14x sooner (less padding in as many steps or fewer; benchmarks/RESULTS.md).
+PREFILL_ROW_TOKENS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +24,8 @@ class EngineConfig:
     chunked_prefill_size: int = 2048  # max prompt tokens per prefill step, and max padded rows x tokens
     max_prefill_requests: int = 8  # max requests of one prefill step
     # Max rows of one prefill step: the scheduler cuts prompts into rows of one token bucket
-    # (buckets.PrefillShapes.plan), so a long prompt may take several. None: max_prefill_requests.
+    # (buckets.PrefillShapes.plan), so a long prompt may take several. None: one row per
+    # PREFILL_ROW_TOKENS of the chunk budget, at least max_prefill_requests (`prefill_rows`).
     max_prefill_rows: int | None = None
     kv_cache_tokens: int | None = None  # KV cache capacity in tokens; overrides the fraction
     kv_cache_memory_fraction: float = 0.85  # of device memory left after weights (GPU only)
@@ -114,6 +120,14 @@ class EngineConfig:
         if self.decode_inputs not in DECODE_INPUTS:
             raise ValueError(f"decode_inputs must be one of {DECODE_INPUTS}, got {self.decode_inputs!r}")
         self._check_speculative()
+
+    @property
+    def prefill_rows(self) -> int:
+        """Rows of one prefill step at most: max_prefill_rows, or by default one per
+        PREFILL_ROW_TOKENS of the chunk budget and at least one per request."""
+        if self.max_prefill_rows is not None:
+            return self.max_prefill_rows
+        return max(self.max_prefill_requests, self.chunked_prefill_size // PREFILL_ROW_TOKENS)
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm

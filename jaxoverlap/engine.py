@@ -264,9 +264,10 @@ class Engine:
                 reserve_slack=(2 * ps if config.reserve_slack_tokens is None else config.reserve_slack_tokens),
                 # The prefill programs' shapes, for the runner too. A speculative prefill row
                 # holds one more token (the one before the chunk).
-                prefill_shapes=PrefillShapes(config.max_prefill_rows or config.max_prefill_requests,
+                prefill_shapes=PrefillShapes(config.prefill_rows,
                                              config.chunked_prefill_size,
-                                             lead=1 if spec else 0),
+                                             lead=1 if spec else 0,
+                                             max_requests=config.max_prefill_requests),
             ),
             PageAllocator(num_pages, ps),
             EntryAllocator(config.max_running_requests),

@@ -568,6 +568,11 @@ class ModelRunner:
 
     def _launch_prefill(self, batch: ScheduledBatch) -> steps.StepOutput:
         R, T = self._prefill_shape(batch)
+        # The program samples after this many rows at most, one per request (steps.sample_after_chunks).
+        requests = len({row.req.entry for row in batch.rows})
+        if requests > self.prefill_shapes.sampled_rows(R):
+            raise AssertionError(f"a prefill of {requests} requests in {R} rows samples after "
+                                 f"{self.prefill_shapes.sampled_rows(R)} rows only")
         ctx_len = self._ctx_len(batch)
         inp = self._prefill_inputs(batch.rows, R, T)
         res = self._reservations(batch, self._prefill_res_capacity(R))
@@ -622,13 +627,13 @@ class ModelRunner:
 
         Every prefill program can sample (static sampling=True), unlike decode programs, which
         come greedy and sampling. Its greedy rows take the argmax as a greedy program does
-        (`sampling.sample`), and the sort over the vocabulary runs once per row of the batch,
-        not per prompt token, so against the prefill it is small. One program per shape then
-        serves every request, and a warm-up of the prefill programs leaves nothing for a
-        sampled request to compile (a greedy twin per shape would double the prefill programs:
-        32 -> 64 with the defaults and the Pallas kernels, about 10 s each cold for Qwen3-8B)."""
+        (`sampling.sample`), and the sort over the vocabulary runs once per request of the
+        batch at most (`sampled_rows`), not per prompt token, so against the prefill it is
+        small. One program per shape then serves every request, and a warm-up of the prefill
+        programs leaves nothing for a sampled request to compile (a greedy twin per shape
+        would double the prefill programs, about 10 s each cold for Qwen3-8B)."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
-                      sampling=True)
+                      sampling=True, sampled_rows=self.prefill_shapes.sampled_rows(inp.tokens.shape[0]))
         if self.spec is None:
             return steps.prefill_step, (self.params, self.state, inp, res), static
         from jaxoverlap.speculative.step import spec_prefill_step

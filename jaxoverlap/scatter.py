@@ -42,3 +42,12 @@ def last_segments(entries: jax.Array, starts: jax.Array) -> jax.Array:
     chunk's last segment writes the entry's relay and penalty state."""
     later = (entries[None, :] == entries[:, None]) & (starts[None, :] > starts[:, None])  # [R, R]
     return jnp.where(later.any(axis=1), 0, entries)
+
+
+def last_segment_rows(entries: jax.Array, starts: jax.Array, count: int) -> jax.Array:
+    """[count] indices of a prefill batch's rows that are a chunk's last segment (real rows
+    only; one per request of the batch, so `count` = its most requests holds them all), in
+    row order, then distinct indices from R on: past the end, for gathers with mode="clip"
+    (whose rows are then thrown away) and scatters back with mode="drop"."""
+    (rows,) = jnp.nonzero(last_segments(entries, starts) != 0, size=count, fill_value=-1)
+    return dropped_where_invalid(rows, rows >= 0, entries.shape[0])

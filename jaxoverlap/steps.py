@@ -23,7 +23,7 @@ from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attentio
 from jaxoverlap.penalties import PrefillPenaltyInputs
 from jaxoverlap.sampling import sample
 from jaxoverlap.sampling_params import MAX_TOP_LOGPROBS
-from jaxoverlap.scatter import entry_rows, last_segments, set_rows
+from jaxoverlap.scatter import entry_rows, last_segment_rows, last_segments, set_rows
 
 
 def pack_for_host(*columns: jax.Array) -> jax.Array:
@@ -308,9 +308,36 @@ class PrefillInputs:
     top_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
+def sample_after_chunks(params: ModelParams, last_hidden, entries, starts, kv_lens, row_params, penalty, *,
+                        count: int, sampling: bool, top_logprobs: bool):
+    """The token after each chunk of a prefill of R rows (last_hidden [R, D]; entries,
+    starts, kv_lens [R]; row_params: temperature, top_k, top_p, min_p, seed, each [R]).
+
+    Only a chunk's last segment needs its sample (scatter.last_segments), and a step holds
+    at most `count` requests: with more rows than that, only those rows go through the LM
+    head and the sampler (a sort over the vocabulary each), then back to their rows; the
+    other rows get token 0 and logprob 0, which nothing reads. Returns (tokens [R],
+    logprobs [R], top logprobs ([R, K], [R, K]) or None)."""
+    R = last_hidden.shape[0]
+    rows = last_segment_rows(entries, starts, count) if count < R else None  # [count]
+
+    def picked(x):  # [R, ...] -> [count, ...] (past-end indices clip: their rows are dropped below)
+        return x if rows is None else jnp.take(x, rows, axis=0, mode="clip")
+
+    def back(x):  # [count, ...] -> [R, ...], zeros elsewhere
+        return x if rows is None else jnp.zeros((R,) + x.shape[1:], x.dtype).at[rows].set(x, mode="drop")
+
+    logits = lm_logits(params, picked(last_hidden))  # [count, V]
+    row_penalties = penalties.rows(penalty, picked(entries)) if penalty is not None else None
+    tokens, logprobs = sample(logits, *(picked(x) for x in row_params), picked(kv_lens), sampling=sampling,
+                              penalties=row_penalties)
+    top = tuple(back(x) for x in top_logprobs_of(logits)) if top_logprobs else None
+    return back(tokens), back(logprobs), top
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling"),
+    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling", "sampled_rows"),
     donate_argnames=("state",),
 )
 def prefill_step(
@@ -324,12 +351,14 @@ def prefill_step(
     page_size: int,
     attention=xla_paged_attention,
     sampling: bool = True,
+    sampled_rows: int | None = None,
 ):
     """One chunk of prompt for each of R rows, over the cached prefix of each row.
 
     The relay entry of a row gets its length, sampling params and the token sampled after
     the chunk; for a row whose prompt is not finished the next chunk overwrites them, and
-    no decode step reads the entry before the last chunk has run.
+    no decode step reads the entry before the last chunk has run. `sampled_rows` (static;
+    None: R): the most requests of the step, the rows that sample (`sample_after_chunks`).
     """
     req_to_token = apply_reservations(state.req_to_token, res, page_size)
     R, Q = inp.tokens.shape
@@ -349,21 +378,20 @@ def prefill_step(
     )
     last = jnp.maximum(inp.chunk_lens - 1, 0)
     last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [R, D]
-    logits = lm_logits(params, last_hidden)
-    penalty, row_penalties = state.penalty, None
+    penalty = state.penalty
     if penalty is not None:
         penalty = penalties.record_prefill(penalty, inp.entries, inp.tokens, inp.starts, inp.chunk_lens,
                                            inp.penalties)
-        row_penalties = penalties.rows(penalty, inp.entries)
-    next_tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed, kv_lens,
-                                   sampling=sampling, penalties=row_penalties)
+    next_tokens, logprobs, top = sample_after_chunks(
+        params, last_hidden, inp.entries, inp.starts, kv_lens,
+        (inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed), penalty,
+        count=sampled_rows or R, sampling=sampling, top_logprobs=inp.top_logprobs)
     relay = _write_relay(  # a chunk's last segment writes the entry (scatter.last_segments)
         state.relay, last_segments(inp.entries, inp.starts), kv_lens, next_tokens,
         temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p, seed=inp.seed,
     )
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 penalty=penalty)
-    top = top_logprobs_of(logits) if inp.top_logprobs else None
     if inp.targets is not None:  # a row asked for its prompt's logprobs (a program of its own)
         return state, PromptLogprobOutput.of(next_tokens, logprobs, *token_logprobs(params, hidden, inp.targets), top)
     return state, StepOutput.of(next_tokens, logprobs, top)

@@ -168,3 +168,9 @@ def test_prefill_rows_probe(tmp_path):
     assert [lens for _, lens, _ in launched[:2]] == [[16, 16, 16, 16], [16, 16]]
     assert sum(sum(lens) for _, lens, _ in launched[2:]) == 4 * 48 and len(launched[2:]) == 3
     assert all(R * T <= 64 or R == 1 for (R, T), _, _ in launched)
+
+
+def test_prefill_sample_bench(tmp_path):
+    res = run_script(tmp_path, "prefill_sample_bench", "--tiny", "--rows", "8", "32", "--iters", "2", "--repeats", "1")
+    assert [(r["rows"], r["requests"]) for r in res["rows"]] == [(8, 8), (32, 8)]
+    assert all(r["every_row_ms"] > 0 and r["one_per_request_ms"] > 0 for r in res["rows"])

@@ -15,7 +15,7 @@ from jaxoverlap.models.transformer import write_cache
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
 from jaxoverlap.sampling_params import SamplingParams
-from jaxoverlap.scatter import dropped_where_invalid, last_segments, set_rows
+from jaxoverlap.scatter import dropped_where_invalid, last_segment_rows, last_segments, set_rows
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig
 from jaxoverlap.speculative.ngram_device import write_tokens
 from jaxoverlap.steps import Reservations, apply_reservations
@@ -53,6 +53,8 @@ def test_only_a_chunks_last_row_writes_its_entry():
     entries = jnp.array([3, 3, 5, 0, 3, 0])  # entry 3 in three rows (segments of one chunk)
     starts = jnp.array([0, 16, 0, 0, 32, 0])
     assert np.asarray(last_segments(entries, starts)).tolist() == [0, 0, 5, 0, 3, 0]
+    # The rows that sample: those last segments, then distinct indices past the end.
+    assert np.asarray(last_segment_rows(entries, starts, 4)).tolist() == [2, 4, 8, 9]
 
 
 def test_padded_reservations_leave_the_dummy_row_alone():
@@ -225,6 +227,20 @@ def test_max_prefill_rows_option():
         EngineConfig(max_prefill_requests=8, max_prefill_rows=4)  # every request of a step takes a row
     with pytest.raises(ValueError, match="max_prefill_requests"):
         EngineConfig(max_prefill_requests=0)
+    # The default: a row per 32 tokens of the chunk budget, at least a row per request.
+    assert EngineConfig().prefill_rows == 2048 // 32
+    assert EngineConfig(chunked_prefill_size=512, max_prefill_requests=4).prefill_rows == 16
+    assert EngineConfig(chunked_prefill_size=32).prefill_rows == 8
+    assert EngineConfig(max_prefill_rows=8).prefill_rows == 8
+
+
+def test_default_prefill_rows_reach_the_scheduler_and_runner():
+    from jaxoverlap.config import EngineConfig
+
+    eng = make_engine(chunked_prefill_size=256, max_prefill_requests=2)
+    assert EngineConfig(chunked_prefill_size=256, max_prefill_requests=2).prefill_rows == 8
+    assert eng.runner.prefill_row_buckets[-1] == 8
+    assert eng.scheduler.cfg.prefill_shapes.row_buckets[-1] == 8
 
 
 @pytest.mark.parametrize("cache", [True, False])
@@ -263,22 +279,27 @@ def test_every_prefill_batch_runs_and_holds_consecutive_rows(seed):
 
 @pytest.mark.parametrize("algo", [None, "eagle", "draft_model"])
 def test_rows_of_one_chunk_give_the_tokens_of_whole_chunks(algo):
-    """Prompts prefilled as several rows of one batch (the plan) give the greedy tokens and
+    """Prompts prefilled as several rows of one batch (the plan) give the tokens and
     prompt logprobs of one row per request, plain, with EAGLE's lead token and with a draft
-    model; one request is penalized, so the penalty history sums every row's tokens; and the
-    rows do happen (the check can fail)."""
+    model; one request is penalized, so the penalty history sums every row's tokens; one
+    samples and asks for top logprobs, from the rows that sample only (a step of 2 requests in
+    4 rows samples after 2: steps.sample_after_chunks); and the rows do happen (the check can
+    fail)."""
     greedy = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     penalized = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True, frequency_penalty=0.7,
                                repetition_penalty=1.5, logit_bias={4: 0.5}, min_new_tokens=2, stop_token_ids=[9])
     scored = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
-    arrivals = {0: [("a", [3 + i % 50 for i in range(40)], penalized), ("b", [7] * 20, greedy)],
+    # Sampled, with top logprobs: the token after the prompt comes from the rows that sample.
+    sampled = SamplingParams(max_new_tokens=5, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True, logprobs=True,
+                             top_logprobs=3)
+    arrivals = {0: [("a", [3 + i % 50 for i in range(40)], penalized), ("b", [7 + i for i in range(8)], sampled)],
                 3: [("e", [(3 * i) % 80 + 2 for i in range(45)], scored),
                     ("c", [(5 * i) % 90 + 1 for i in range(70)], greedy), ("d", [11, 12] * 9, greedy)]}
     extra = {}
     if algo == "draft_model":
         cfg = tiny_config()
         extra = dict(draft_model_config=cfg, draft_params=tiny_params(cfg, 1))
-    results = {}
+    results, tops = {}, {}
     for planned in (True, False):
         # Planned: 2 requests a step, in up to 4 rows (max_prefill_rows); whole: 4 and 4.
         engine = make_engine(kv_cache_tokens=1024, chunked_prefill_size=64, max_prefill_requests=2 if planned else 4,
@@ -294,16 +315,29 @@ def test_rows_of_one_chunk_give_the_tokens_of_whole_chunks(algo):
             return launch(batch)
 
         engine.runner._launch_prefill = traced
+        tops[planned], step = [], engine.step
+
+        def stepped(step=step, top=tops[planned]):  # b's top logprobs, update by update
+            outs = step()
+            top.extend(t for o in outs if o.request_id == "b" for t in o.new_top_logprobs)
+            return outs
+
+        engine.step = stepped
         finals = run_workload(engine, arrivals)
         results[planned] = ({rid: (out.token_ids, out.prompt_logprobs) for rid, out in finals.items()}, launched)
     (planned, planned_rows), (whole, whole_rows) = results[True], results[False]
     assert len(planned) == 5 and {rid: toks for rid, (toks, _) in planned.items()} == {
         rid: toks for rid, (toks, _) in whole.items()}
+    assert len(tops[True]) == 5 and [[t for t, _ in top] for top in tops[True]] == [
+        [t for t, _ in top] for top in tops[False]]
+    np.testing.assert_allclose([[lp for _, lp in top] for top in tops[True]],
+                               [[lp for _, lp in top] for top in tops[False]], rtol=1e-4, atol=1e-4)
     lp_planned, lp_whole = planned["e"][1], whole["e"][1]  # the scored prompt's logprobs, row by row
     assert lp_planned[0] is None and len(lp_planned) == 45
     np.testing.assert_allclose(lp_planned[1:], lp_whole[1:], rtol=1e-4, atol=1e-4)
     for rid in "ae":  # the penalized and the scored prompt in several rows of one step
         assert any([r for r, _ in rows].count(rid) > 1 for rows in planned_rows)
     assert max(len(rows) for rows in planned_rows) > 2  # more rows than requests
+    assert any(("b", 8) in rows and len(rows) > 2 for rows in planned_rows)  # b's whole prompt in such a step
     assert all(len({rid for rid, _ in rows}) <= 2 for rows in planned_rows)
     assert all(len(rows) == len({rid for rid, _ in rows}) for rows in whole_rows)

@@ -30,7 +30,6 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
 from jaxoverlap.penalties import PrefillPenaltyInputs
-from jaxoverlap.sampling import sample
 from jaxoverlap.scatter import last_segments, set_rows
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
@@ -44,6 +43,7 @@ from jaxoverlap.steps import (
     apply_reservations,
     float_bits,
     pack_for_host,
+    sample_after_chunks,
     token_logprobs,
     top_logprobs_of,
 )
@@ -257,7 +257,7 @@ def spec_decode_step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling"),
+    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling", "sampled_rows"),
     donate_argnames=("state",),
 )
 def spec_prefill_step(
@@ -273,9 +273,11 @@ def spec_prefill_step(
     page_size: int,
     attention=xla_paged_attention,
     sampling: bool = True,
+    sampled_rows: int | None = None,
 ):
     """A prompt chunk per row through the target, then through the drafter so that the
-    first speculative step finds the drafter's state for the whole prompt."""
+    first speculative step finds the drafter's state for the whole prompt. `sampled_rows`
+    as in steps.prefill_step."""
     req_to_token = apply_reservations(state.req_to_token, res, page_size)
     R, T = inp.tokens.shape
     idx = jnp.arange(T)[None, :]  # [1, T]
@@ -289,14 +291,13 @@ def spec_prefill_step(
     )
     last_hidden = jnp.take_along_axis(hidden, inp.chunk_lens[:, None, None], axis=1)[:, 0]  # [R, D] column c
     sp = SamplingRows(inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed)
-    penalty, row_penalties = state.penalty, None
+    penalty = state.penalty
     if penalty is not None:  # the chunk's own tokens (not the leading column) into the rows' histories
         penalty = penalties.record_prefill(penalty, inp.entries, inp.tokens[:, 1:], inp.starts, inp.chunk_lens,
                                            inp.penalties)
-        row_penalties = penalties.rows(penalty, inp.entries)
-    logits = lm_logits(params, last_hidden)  # [R, V]
-    next_tokens, logprobs = sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed, kv_lens,
-                                   sampling=sampling, penalties=row_penalties)
+    next_tokens, logprobs, top = sample_after_chunks(
+        params, last_hidden, inp.entries, inp.starts, kv_lens, (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed),
+        penalty, count=sampled_rows or R, sampling=sampling, top_logprobs=inp.top_logprobs)
     next_tokens = jnp.where(inp.has_given, inp.given_tokens, next_tokens)
     stash = dict(tokens=next_tokens, temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p,
                  seed=inp.seed)
@@ -318,7 +319,6 @@ def spec_prefill_step(
     relay = _set(state.relay, last_segments(inp.entries, inp.starts), seq_lens=kv_lens, **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
-    top = top_logprobs_of(logits) if inp.top_logprobs else None
     if inp.targets is not None:  # a row asked for its prompt's logprobs (a program of its own)
         return state, PromptLogprobOutput.of(next_tokens, logprobs, *token_logprobs(params, hidden[:, 1:], inp.targets),
                                              top)
