@@ -14,7 +14,7 @@ Each runs `--runs` times after one warm run (every program compiled first).
 
     python benchmarks/prefill_plan_bench.py --out prefill_plan.json
     python benchmarks/prefill_plan_bench.py --max-prefill-rows 8    # one row per request (the old default)
-    python benchmarks/prefill_plan_bench.py --temperature 0.8   # sampled: top_p sorts each row's logits
+    python benchmarks/prefill_plan_bench.py --temperature 0.8   # sampled requests (top_p 0.95)
     python benchmarks/prefill_plan_bench.py --tiny          # CPU smoke run
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main():
     runner._launch_prefill = traced
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
-    # temperature > 0: every prefill row also sorts the vocabulary (top_p), as sampled traffic does.
+    # temperature > 0: the decode steps run the sampling programs (prefill programs sample either way).
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature,
                             top_p=0.95 if args.temperature > 0 else 1.0, seed=0, ignore_eos=True)
 
