@@ -62,6 +62,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="reject Generate with RESOURCE_EXHAUSTED beyond max_running_requests + this many in flight")
     _add(g, "--shutdown-grace", type=float, default=30.0,
          help="seconds to let in-flight requests finish on SIGTERM/SIGINT (default 30)")
+    _add(g, "--watchdog-timeout", type=float, default=300.0,
+         help="report health NOT_SERVING while requests wait on an engine that has finished no step for "
+              "this many seconds, e.g. a hung device (default 300; 0: off). The server keeps running: "
+              "the orchestrator decides whether to restart it")
     _add(g, "--no-warmup", action="store_true", help="skip the compile warmup request before serving")
     _add(g, "--engine-thread", action="store_true",
          help="run the engine on a thread of the server's process instead of a process of its own "
@@ -145,7 +149,7 @@ async def _serve(args, worker, max_queued) -> None:
     server = GenerationServer(
         worker, host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=_read_token(args), metrics_port=args.metrics_port or None, metrics_host=args.metrics_host,
-        max_queued_requests=max_queued, owns_worker=True)
+        max_queued_requests=max_queued, owns_worker=True, stall_timeout=args.watchdog_timeout or None)
     await server.start()
     scheme = "TLS" if args.tls_cert else "plaintext"
     print(f"serving on {args.host}:{server.port} ({scheme}{', token auth' if server.auth_token else ''})"

@@ -79,7 +79,11 @@ class EngineProcess(EngineCalls):
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands = None  # parent's end of the command pipe
         self._events = None  # parent's end of the event pipe
-        self._send_lock = threading.Lock()
+        # Commands are pickled by their caller and written by a sender thread: a write blocks
+        # while the pipe is full (a large prompt, the child inside a long step), and the
+        # caller is usually the server's event loop, which must never block.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _sinks, _ids, _pending
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}
         self._ids: dict[str, list[int]] = {}  # request_id -> every token id received so far
@@ -117,6 +121,8 @@ class EngineProcess(EngineCalls):
         # Our copies of the child's ends: closed, so that EOF means the child is gone.
         cmd_recv.close()
         ev_send.close()
+        self._sender = threading.Thread(target=self._write, name=f"{self._name}-sender", daemon=True)
+        self._sender.start()
         try:
             ready = self._events.poll(timeout)
         except BaseException:  # e.g. Ctrl-C while the model loads
@@ -143,16 +149,15 @@ class EngineProcess(EngineCalls):
         if self._process is None or self._stopped.is_set():
             return
         self._stopping = True
-        try:
-            self._send("stop", None, ())
-        except (OSError, ValueError):
-            pass  # the child is gone already
+        self._send("stop", None, ())  # (if the child is gone already, the sender drops it)
         if not self._stopped.wait(timeout):
             logger.warning("engine process did not stop in %s s; killing it", timeout)
             self._process.kill()
         self._process.join(10)
         if self._reader is not None:
             self._reader.join(10)
+        self._outbox.put(None)
+        self._sender.join(10)
         self._fail_everything(WorkerUnavailableError("engine worker stopped"))
 
     # ---- commands (any thread) -------------------------------------------------------------
@@ -186,10 +191,7 @@ class EngineProcess(EngineCalls):
         return fut
 
     def abort_nowait(self, request_id: str) -> None:
-        try:
-            self._send("abort", None, (request_id,))
-        except (OSError, ValueError):
-            pass  # the engine is gone: nothing to abort
+        self._send("abort", None, (request_id,))
 
     async def abort(self, request_id: str) -> bool:
         if not self.alive:
@@ -221,10 +223,6 @@ class EngineProcess(EngineCalls):
             with self._lock:
                 self._pending.pop(cid, None)
             fut.set_exception(TypeError(f"cannot send this {kind} to the engine process: {e}"))
-        except (OSError, ValueError) as e:
-            with self._lock:
-                self._pending.pop(cid, None)
-            fut.set_exception(WorkerUnavailableError(f"engine process is gone: {e!r}"))
 
     def _send(self, kind: str, cid: int | None, args: tuple) -> None:
         # The arguments are pickled apart from the header, so that the child can answer a
@@ -233,8 +231,17 @@ class EngineProcess(EngineCalls):
         # leaves half a message in the pipe.
         data = pickle.dumps((kind, cid, pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)),
                             protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            self._commands.send_bytes(data)
+        self._outbox.put(data)
+
+    def _write(self) -> None:
+        """The sender thread: writes the commands in the order they were sent."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._commands.send_bytes(data)
+            except (OSError, ValueError):
+                # The child is gone: the reader meets EOF and fails every command that
+                # waits for a reply; later commands are refused (not alive).
+                return
 
     def _unavailable_reason(self) -> str:
         if self.dead_error is not None:

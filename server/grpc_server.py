@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -41,6 +42,10 @@ MAX_REQUEST_ID_LEN = 256
 # through the tokenizer's batch call, which releases the GIL, so neither the event loop nor
 # the engine thread waits for them.
 INLINE_TOKENIZE_MAX_CHARS = 2048
+# A call that reuses the id of one that just ended early (a retry after a deadline or a
+# cancel) waits up to this long for the engine to release the old requests: their aborts
+# take effect at the engine's next step.
+RETIRE_WAIT_S = 30.0
 
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 _SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
@@ -219,18 +224,43 @@ def _speculative_algorithm(engine) -> str:
 
 
 class _OutputQueue:
-    """Per-call mailbox filled by the worker (on this loop) and drained by the handler."""
+    """Per-call mailbox filled by the worker (on this loop) and drained by the handler.
 
-    __slots__ = ("_items", "_event", "engine_ids")
+    It also knows which of its engine requests may still send outputs (`live`): a call that
+    ends early (cancel, deadline) only queues its aborts, and its id stays taken in the
+    engine until their final outputs arrive (`released`)."""
+
+    __slots__ = ("_items", "_event", "engine_ids", "live", "released", "on_released", "added", "abort_requested")
 
     def __init__(self, engine_ids: list[str]):
         self._items: list = []
         self._event = asyncio.Event()
         self.engine_ids = engine_ids  # the engine's request ids of the call's samples
+        self.live = set(engine_ids)
+        self.released = asyncio.Event()
+        self.on_released = None  # called once, when `released` is set
+        self.added = False  # every sample's add was accepted by the engine
+        self.abort_requested = False  # Abort came before that: abort them once they are
 
     def put(self, item) -> None:
         self._items.append(item)
         self._event.set()
+        if isinstance(item, BaseException):  # the worker failed: it dropped every request
+            self.live.clear()
+        elif item.finished:
+            self.live.discard(item.request_id)
+        self._check_released()
+
+    def forget(self, engine_id: str) -> None:
+        """This sample never reached the engine (its add failed or was never sent)."""
+        self.live.discard(engine_id)
+        self._check_released()
+
+    def _check_released(self) -> None:
+        if not self.live and not self.released.is_set():
+            self.released.set()
+            if self.on_released is not None:
+                self.on_released()
 
     async def get_all(self) -> list:
         while not self._items:
@@ -270,6 +300,10 @@ def _chat_text(tokenizer, chat: pb.Chat) -> str:
             raise InvalidRequestError(f"chat_template_kwargs_json is not JSON: {e}") from None
         if not isinstance(template_kwargs, dict):
             raise InvalidRequestError("chat_template_kwargs_json must be a JSON object")
+        reserved = sorted({"messages", "add_generation_prompt"} & template_kwargs.keys())
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs_json may not set {', '.join(reserved)}: "
+                                      f"they come from the chat's own fields")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add, **template_kwargs)
@@ -285,6 +319,9 @@ class GenerationServicer:
         self.max_queued_requests = max_queued_requests
         self.accepting = True
         self.streams: dict[str, _OutputQueue] = {}
+        # Calls that ended before their engine requests did, by request id, until those are
+        # released: a retry with the same id waits for them instead of meeting ALREADY_EXISTS.
+        self.retiring: dict[str, _OutputQueue] = {}
         self.engine_requests = 0  # the engine requests of the live calls (a call with n samples has n)
         self.started = time.monotonic()
         self.drained = asyncio.Event()
@@ -328,6 +365,10 @@ class GenerationServicer:
         if len(rid) > MAX_REQUEST_ID_LEN:
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                             f"request_id is {len(rid)} characters long; at most {MAX_REQUEST_ID_LEN} are allowed")
+        if not (rid.isascii() and rid.isprintable()):
+            # It goes back to the client as a metadata value, which gRPC allows in printable ASCII only.
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request_id {rid!r} must be printable ASCII (it is sent back as gRPC metadata)")
         if rid in self.streams:
             raise _Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
         if self.max_queued_requests is not None:
@@ -372,6 +413,12 @@ class GenerationServicer:
                     logger.exception("tokenizing %s failed", rid)
                     await self._reject(context, grpc.StatusCode.INTERNAL, f"tokenizer failed: {e!r}")
                     return
+            earlier = self.retiring.get(rid)
+            if earlier is not None:
+                try:  # bounded: past it, the engine's own duplicate check answers ALREADY_EXISTS
+                    await asyncio.wait_for(earlier.released.wait(), RETIRE_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
             text_makers = None
             if self.tokenizer is not None and not params.stop:
                 # No stop strings, so the engine needs no text: this handler makes it from the
@@ -400,6 +447,10 @@ class GenerationServicer:
                     logger.exception("add_request(%s) failed", rid)
                     await self._reject(context, grpc.StatusCode.INTERNAL, f"engine failed to add the request: {e!r}")
                     return
+            mailbox.added = True
+            if mailbox.abort_requested:
+                for eid in engine_ids:
+                    self.worker.abort_nowait(eid)
             sample_of = {eid: k for k, eid in enumerate(engine_ids)}
             while True:
                 items = await mailbox.get_all()
@@ -444,13 +495,23 @@ class GenerationServicer:
             self.engine_requests -= len(engine_ids)
             if not self.streams:
                 self.drained.set()
+            loop = asyncio.get_running_loop()
             for k in unfinished:
                 if k < len(add_futures):
                     # The call ended before this sample did (cancel, disconnect, deadline,
                     # shutdown, another sample refused): free its slots. If the add is still
                     # in flight, abort once it is accepted.
                     add_futures[k].add_done_callback(
-                        lambda f, eid=engine_ids[k]: _abort_if_added(self.worker, eid, f))
+                        lambda f, eid=engine_ids[k]: _abort_if_added(self.worker, eid, f, loop, mailbox))
+                else:
+                    mailbox.forget(engine_ids[k])
+            if not mailbox.released.is_set():
+                self.retiring[rid] = mailbox
+                mailbox.on_released = functools.partial(self._retired, rid, mailbox)
+
+    def _retired(self, rid: str, mailbox: _OutputQueue) -> None:
+        if self.retiring.get(rid) is mailbox:
+            del self.retiring[rid]
 
     @staticmethod
     def _complete(rid: str, final, index: int = 0) -> pb.Complete:
@@ -496,6 +557,11 @@ class GenerationServicer:
         stream = self.streams.get(rid)
         if stream is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request with id {rid!r}")
+        if not stream.added:
+            # Its adds are still on their way (a long text being tokenized, the engine inside a
+            # step): Generate aborts the samples as soon as the engine has accepted them.
+            stream.abort_requested = True
+            return pb.AbortResponse()
         try:
             ok = False
             for eid in stream.engine_ids:  # every sample's
@@ -534,9 +600,16 @@ class GenerationServicer:
         )
 
 
-def _abort_if_added(worker: EngineWorker, rid: str, fut) -> None:
+def _abort_if_added(worker: EngineWorker, rid: str, fut, loop, mailbox: _OutputQueue) -> None:
+    """An add's done-callback (on the worker's thread, or this loop's if it was done): abort the
+    request if the engine took it, else tell its mailbox that it never will send outputs."""
     if not fut.cancelled() and fut.exception() is None:
         worker.abort_nowait(rid)
+        return
+    try:
+        loop.call_soon_threadsafe(mailbox.forget, rid)
+    except RuntimeError:  # the loop has closed: nobody waits for the mailbox any more
+        pass
 
 
 def _handlers(servicer: GenerationServicer) -> dict:
@@ -568,13 +641,15 @@ class GenerationServer:
     metrics_port: Prometheus endpoint port (None or 0: off; -1: any free port, see
     `.metrics_port`). max_queued_requests: reject Generate with RESOURCE_EXHAUSTED once more than
     max_running_requests + this many calls are in flight (None: only the engine's own limit).
-    owns_worker: stop the worker in stop().
+    owns_worker: stop the worker in stop(). stall_timeout: report health NOT_SERVING while calls
+    wait on an engine that has finished no step for this many seconds (None or 0: never).
     """
 
     def __init__(self, worker: EngineWorker, *, host: str = "127.0.0.1", port: int = 0,
                  tls_cert: str | None = None, tls_key: str | None = None, auth_token: str | None = None,
                  metrics_port: int | None = None, metrics_host: str | None = None,
-                 max_queued_requests: int | None = None, owns_worker: bool = False, grpc_options=()):
+                 max_queued_requests: int | None = None, owns_worker: bool = False, grpc_options=(),
+                 stall_timeout: float | None = 300.0):
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both a certificate and a key file")
         if max_queued_requests is not None and max_queued_requests < 0:
@@ -588,6 +663,8 @@ class GenerationServer:
         self.metrics_host = metrics_host or host
         self.max_queued_requests = max_queued_requests
         self.owns_worker = owns_worker
+        self.stall_timeout = stall_timeout
+        self.stalled = False
         self.grpc_options = tuple(grpc_options)
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -655,13 +732,32 @@ class GenerationServer:
         return self
 
     async def _watch_engine(self, interval: float = 0.5) -> None:
-        """Turn health NOT_SERVING if the engine thread dies, so orchestrators restart us."""
+        """Health NOT_SERVING, so that orchestrators restart us, once the engine has died, and
+        while it is stalled: calls wait on it and it has finished no step for `stall_timeout`
+        seconds (a hung device or kernel; SGLang's watchdog, which kills its server after 300 s
+        by default, watches the same). Health turns SERVING again if the steps resume."""
+        interval = min(interval, self.stall_timeout / 4) if self.stall_timeout else interval
+        steps, since = self.worker.steps, time.monotonic()
         while self.worker.dead_error is None:
             await asyncio.sleep(interval)
+            now = time.monotonic()
+            if self.worker.steps != steps or not self.servicer.streams:
+                steps, since = self.worker.steps, now
+                if self.stalled:
+                    self.stalled = False
+                    logger.warning("the engine finished a step again: reporting SERVING")
+                    await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            elif self.stall_timeout and not self.stalled and now - since > self.stall_timeout:
+                self.stalled = True
+                logger.error("the engine has finished no step for %.0f s while %d calls wait on it: "
+                             "reporting NOT_SERVING", now - since, len(self.servicer.streams))
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         logger.error("engine thread died (%r): reporting NOT_SERVING", self.worker.dead_error)
-        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.health.set("", not_serving)
-        await self.health.set(SERVICE_NAME, not_serving)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def _set_health(self, status) -> None:
+        await self.health.set("", status)
+        await self.health.set(SERVICE_NAME, status)
 
     async def stop(self, grace: float = 30.0) -> None:
         """Graceful shutdown: refuse new Generate calls, let in-flight ones finish for up to

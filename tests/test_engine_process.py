@@ -184,6 +184,32 @@ def test_killed_engine_process_ends_streams_and_health():
         worker.stop()
 
 
+def test_a_large_add_does_not_block_the_servers_loop():
+    """Commands go to the child through a pipe that holds 64 KiB; while the child is inside a
+    long step, a larger add waits for it on the sender thread, not on the server's event loop."""
+    cfg = EngineConfig(max_running_requests=8, max_context_len=300_000, kv_cache_tokens=1_000_000)
+    worker = EngineProcess(functools.partial(FakeEngine, cfg, step_delay=2.0)).start(timeout=60)
+    st = ServerThread(worker).start()
+    try:
+        with GenerationClient(st.target, timeout=30) as c:
+            it = iter(c.generate([5, 6, 7], max_new_tokens=3))
+            next(it)  # the child is now inside its next 2 s step
+            got = []
+            big = threading.Thread(target=lambda: got.append(c.generate_text([100] * 100_000, max_new_tokens=1)),
+                                   daemon=True)
+            big.start()
+            time.sleep(0.2)
+            t = time.perf_counter()
+            assert c.health() == "SERVING" and c.model_info()["max_context_len"] == 300_000
+            assert time.perf_counter() - t < 1.0
+            list(it)
+            big.join(30)
+            assert got and got[0].prompt_tokens == 100_000
+    finally:
+        st.stop()
+        worker.stop()
+
+
 def test_stop_under_a_live_stream_aborts_it():
     worker = EngineProcess(_factory(step_delay=0.005)).start(timeout=60)
     st = ServerThread(worker).start()

@@ -197,9 +197,10 @@ def test_errors_keep_serving(served):
              ([500], {}, grpc.StatusCode.INVALID_ARGUMENT), ("x" * 80, {}, grpc.StatusCode.RESOURCE_EXHAUSTED),
              ("x", {"min_p": 2.0}, grpc.StatusCode.INVALID_ARGUMENT),
              ("x", {"seed": -1}, grpc.StatusCode.INVALID_ARGUMENT)]
-    with pytest.raises(grpc.RpcError) as e:
-        client.generate_text("x", request_id="r" * 300)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+    for rid in ("r" * 300, "héllo", "a\nb", "tab\there"):  # too long; not a metadata value
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate_text("x", request_id=rid)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details(), rid
     for prompt, kw, code in cases:
         with pytest.raises(grpc.RpcError) as e:
             client.generate_text(prompt, **kw)
@@ -263,6 +264,105 @@ def test_async_client_and_cancel(served):
     asyncio.run(main())
     _wait_idle(client)
     worker.call_sync(lambda e: e.check_integrity())
+
+
+def test_abort_before_the_engine_has_the_request():
+    """A client may abort as soon as the initial metadata names its request, while a long
+    text is still being tokenized: the abort holds, and the stream ends "abort"."""
+    engine = FakeEngine(EngineConfig(max_running_requests=4, max_context_len=4096, kv_cache_tokens=8192),
+                        step_delay=0.002)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker).start()
+    client = GenerationClient(st.target, timeout=30)
+    release = threading.Event()
+    real = engine.tokenizer.encode_batch
+
+    def held_encode_batch(texts, add_special_tokens=True):
+        release.wait(10)
+        return real(texts, add_special_tokens)
+
+    engine.tokenizer.encode_batch = held_encode_batch
+    try:
+        call = client._stub.Generate(build_request("a" * 3000, "early", max_new_tokens=50))
+        assert dict(call.initial_metadata())["jaxoverlap-request-id"] == "early"
+        client.abort("early")  # the adds have not been sent yet
+    finally:
+        release.set()
+        engine.tokenizer.encode_batch = real
+    try:
+        last = list(call)[-1].complete
+        assert last.finish_reason == "abort" and len(last.token_ids) < 50
+        _wait_idle(client)
+    finally:
+        client.close()
+        st.stop()
+        worker.stop()
+    engine.check_integrity()
+
+
+def test_a_retry_may_reuse_the_id_of_a_call_that_ended_early():
+    """The call's end only queues its abort; the engine holds the id until its next step. A
+    retry with that id waits for it instead of meeting ALREADY_EXISTS."""
+    engine = _fake(step_delay=0.05)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker).start()
+    try:
+        with GenerationClient(st.target, timeout=30) as c:
+            for attempt in range(3):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(c._stub.Generate(build_request("abc", "job", max_new_tokens=60), timeout=0.2))
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                done = c.generate_text("abc", request_id="job", max_new_tokens=2)
+                assert done.finish_reason == "length", attempt
+                stream = c._stub.Generate(build_request("abc", "job", max_new_tokens=60))
+                next(stream)
+                stream.cancel()
+                assert c.generate_text("abc", request_id="job", max_new_tokens=2).finish_reason == "length"
+            assert st.server.servicer.retiring == {}
+    finally:
+        st.stop()
+        worker.stop()
+    engine.check_integrity()
+
+
+def test_a_stalled_engine_turns_health_not_serving_until_it_steps_again():
+    engine = _fake(step_delay=0.001)
+    gate = threading.Event()
+    gate.set()
+    real_step = engine.step
+
+    def step():
+        gate.wait(30)  # cleared: a hung device
+        return real_step()
+
+    engine.step = step
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker, stall_timeout=0.3).start()
+    done = []
+    try:
+        with GenerationClient(st.target, timeout=30) as c:
+            assert c.generate_text("ab", max_new_tokens=2).finish_reason == "length"
+            time.sleep(0.8)  # an idle engine finishes no step either: that is no stall
+            assert c.health() == "SERVING"
+            gate.clear()
+            waiting = threading.Thread(target=lambda: done.append(c.generate_text("abc", max_new_tokens=5)))
+            waiting.start()
+            assert _health_turns(c, "NOT_SERVING") == "NOT_SERVING"
+            gate.set()
+            assert _health_turns(c, "SERVING") == "SERVING"
+            waiting.join(10)
+            assert done and done[0].finish_reason == "length"
+    finally:
+        gate.set()
+        st.stop()
+        worker.stop()
+
+
+def _health_turns(client, want, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while client.health() != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return client.health()
 
 
 def test_graceful_shutdown_drains():
@@ -562,7 +662,9 @@ def test_chat_input_is_rendered_by_the_models_template(capsys):
             with pytest.raises(grpc.RpcError) as e:
                 list(client._stub.Generate(req))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.details()
-        for kwargs_json, word in (("{", "not JSON"), ("[1]", "JSON object")):
+        for kwargs_json, word in (("{", "not JSON"), ("[1]", "JSON object"),
+                                  ('{"add_generation_prompt": false}', "may not set add_generation_prompt"),
+                                  ('{"messages": []}', "may not set messages")):
             req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")],
                                                   chat_template_kwargs_json=kwargs_json))
             with pytest.raises(grpc.RpcError) as e:
