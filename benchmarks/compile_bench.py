@@ -2,12 +2,16 @@
 the restart time with JAX's persistent compilation cache.
 
     python benchmarks/compile_bench.py --threads 16 --out compile.json
+    python benchmarks/compile_bench.py --server-set --threads 8 --phases cold   # what `serve --precompile all` compiles
     python benchmarks/compile_bench.py --tiny --max-context-len 256     # CPU smoke run
 
 Two subprocesses share one fresh cache folder: "cold" builds the engine and times
 `Engine.warmup()` (every batch bucket x every context bucket, greedy) with an empty cache;
 "restart" does the same in a new process, which finds every program in the cache. A third
-line, "serial", compiles one program alone, for the per-program cost. The warm-up compiles
+line, "serial", compiles one program alone, for the per-program cost. `--server-set` compiles
+what `jaxoverlap serve --precompile all` does instead: the decode programs greedy and
+sampled, and every prefill shape (with `--top-logprobs`, each program's top-logprobs variant
+too), so that `--threads` settles how many compile at once. The warm-up compiles
 the programs and then runs each once: `warmup_s` holds those runs too, the per-program
 `seconds` do not.
 """
@@ -41,6 +45,7 @@ def child(args) -> dict:
         model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy",
         dtype="float32" if args.tiny else "bfloat16", max_running_requests=args.max_running_requests,
         max_context_len=args.max_context_len, kv_cache_tokens=args.max_running_requests * 512,
+        chunked_prefill_size=args.chunked_prefill_size,
         compilation_cache_dir=args.cache_dir, layers_per_weight_stack=args.layers_per_weight_stack, **spec,
     ))
     build_s = time.perf_counter() - t
@@ -53,7 +58,8 @@ def child(args) -> dict:
         out.update(programs=1, warmup_s=time.perf_counter() - t, per_program=rep)
         return out
     t = time.perf_counter()
-    rep = engine.warmup(threads=args.threads)
+    server_set = dict(sampling=(False, True), prefill=True, top_logprobs=args.top_logprobs) if args.server_set else {}
+    rep = engine.warmup(threads=args.threads, **server_set)
     out.update(programs=len(rep), warmup_s=time.perf_counter() - t,
                max_program_s=max(x["seconds"] for x in rep), per_program=rep)
     return out
@@ -65,6 +71,10 @@ def main():
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-context-len", type=int, default=4096)
+    ap.add_argument("--chunked-prefill-size", type=int, default=2048)
+    ap.add_argument("--server-set", action="store_true",
+                    help="the programs of `serve --precompile all`: decode greedy and sampled, every prefill shape")
+    ap.add_argument("--top-logprobs", action="store_true", help="with --server-set: the top-logprobs variants too")
     ap.add_argument("--layers-per-weight-stack", type=int, default=None, help="default: the engine's")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--timeout-s", type=int, default=300, help="per phase")
