@@ -102,6 +102,8 @@ class EngineConfig:
             raise ValueError(f"layers_per_weight_stack must be >= 1, got {self.layers_per_weight_stack}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_prefill_requests < 1:
             raise ValueError(f"max_prefill_requests must be >= 1, got {self.max_prefill_requests}")
         if self.max_prefill_rows is not None and self.max_prefill_rows < self.max_prefill_requests:

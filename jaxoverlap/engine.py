@@ -381,6 +381,9 @@ class Engine:
             )
         if not self.scheduler.fits(len(prompt_ids)):
             raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.kv_cache_tokens}")
+        if params is not None and params.prompt_logprobs and params.prompt_logprobs_start >= len(prompt_ids):
+            raise InvalidRequestError(f"prompt_logprobs_start={params.prompt_logprobs_start} scores nothing: the "
+                                      f"prompt's positions are 1..{len(prompt_ids) - 1}")
         return prompt_ids
 
     def _check_params(self, params) -> None:
@@ -390,6 +393,8 @@ class Engine:
         if params.uses_history and not self.serves_penalties:
             raise InvalidRequestError("repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens and "
                                       "logit_bias are not available on an engine started with enable_penalties=False")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary ({vocab})")
@@ -584,8 +589,10 @@ class Engine:
             if finished and req.prompt_logprobs is not None:
                 out.prompt_logprobs, out.prompt_top1 = req.prompt_logprobs, req.prompt_top1
             outputs.append(out)
-            if finished:
-                self.requests.pop(req.request_id, None)
+            if finished and self.requests.get(req.request_id) is req:
+                # (A finished request's id may be reused before its final output: add_request
+                # then holds the new request under it, which this one must not take along.)
+                del self.requests[req.request_id]
         return outputs
 
     # -- introspection ----------------------------------------------------------------------------

@@ -14,6 +14,9 @@ class RequestMetrics:
     output_tokens: int = 0
     num_steps: int = 0  # decode/speculative steps this request took part in (its results processed)
     num_retractions: int = 0
+    # Tokens that decode/speculative steps gave it (accepted drafts and the bonus token; not
+    # the prefill's first token, nor one a re-prefill after a retraction samples).
+    decode_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -31,8 +34,7 @@ class RequestMetrics:
     @property
     def accept_length(self) -> float:
         """Tokens gained per step (1.0 for plain decoding; includes the bonus token)."""
-        decoded = self.output_tokens - 1  # the first token comes from prefill
-        return decoded / self.num_steps if self.num_steps else 1.0
+        return self.decode_tokens / self.num_steps if self.num_steps else 1.0
 
 
 @dataclasses.dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 from jaxoverlap.errors import InvalidRequestError
 
@@ -63,7 +64,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        object.__setattr__(self, "stop_token_ids", tuple(_token_id(t, "stop_token_ids") for t in (self.stop_token_ids or ())))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -103,7 +104,7 @@ class SamplingParams:
             bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -111,7 +112,8 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_SAMPLES:
             bad(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**32):
             bad(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
@@ -153,7 +155,19 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
         return ()
     items = value.items() if isinstance(value, dict) else value
     try:
-        pairs = {int(tok): bias for tok, bias in items}
+        pairs = {_token_id(tok, "logit_bias"): bias for tok, bias in items}
+    except InvalidRequestError:
+        raise
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(f"invalid sampling params: logit_bias must map token ids to numbers: {e}") from None
     return tuple(sorted(pairs.items()))
+
+
+def _token_id(value, what: str) -> int:
+    """A token id given as an integer (numpy's too) or, as JSON object keys are, a string of
+    digits. Never a float or a bool: int() would quietly turn 2.7 into token 2."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise InvalidRequestError(f"invalid sampling params: {what} must hold integer token ids, got {value!r}")
+    return operator.index(value)

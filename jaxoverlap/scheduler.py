@@ -467,6 +467,7 @@ class Scheduler:
                 # token and of the n - 1 accepted drafts.
                 req.kv_committed += n
                 req.metrics.num_steps += 1
+                req.metrics.decode_tokens += n
                 if batch.draft:  # acceptance counts only steps that drafted
                     self.num_accepted_tokens += n
                     self.num_verify_rows += 1
@@ -518,6 +519,7 @@ class Scheduler:
             req.kv_committed += 1  # the step wrote the K/V of its input token
             metrics = req.metrics
             metrics.num_steps += 1
+            metrics.decode_tokens += 1
             if top is not None and req.output_top_logprobs is not None:
                 _record_top(req, (top[0][i], top[1][i]))
             req.output_ids.append(tok)

@@ -181,6 +181,7 @@ class FakeEngine:
                 req.metrics.first_token_time = now
             else:
                 req.metrics.num_steps += 1
+                req.metrics.decode_tokens += 1
             reason = None
             if tok in self.model_config.eos_token_ids or tok in p.stop_token_ids:
                 reason = "stop"

@@ -26,6 +26,12 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
         (dict(top_k=-3), "top_k"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(seed=-1), "seed"),
+        (dict(seed=True), "seed"),
+        (dict(top_k=True), "top_k"),
+        # int() would have made these tokens 2 and 3: a different token than asked.
+        (dict(stop_token_ids=[2.7]), "stop_token_ids must hold integer token ids"),
+        (dict(logit_bias={3.9: 1.0}), "logit_bias must hold integer token ids"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias must hold integer token ids"),
     ],
 )
 def test_impossible_sampling_params(kwargs, match):
@@ -67,6 +73,54 @@ def test_bad_prompts_are_rejected_and_others_keep_running():
     assert sorted(finals) == ["mixed", "np", "ok"] and finals["ok"].token_ids == baseline
     assert finals["np"].finish_reason == finals["mixed"].finish_reason == "abort"
     eng.check_integrity()
+
+
+def test_token_ids_of_any_integer_type_and_json_keys_are_accepted():
+    sp = SamplingParams(stop_token_ids=[np.int64(5)], logit_bias={"7": 1.0, np.int32(3): 2.0})
+    assert sp.stop_token_ids == (5,) and sp.logit_bias == ((3, 2.0), (7, 1.0))
+    assert all(type(t) is int for t in sp.stop_token_ids + tuple(t for t, _ in sp.logit_bias))
+
+
+def test_what_this_engine_cannot_serve_is_refused():
+    eng = make_engine(max_context_len=64)  # no tokenizer
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
+        eng.add_request("s", [1, 2, 3], SamplingParams(stop=["a"]))
+    scored = SamplingParams(max_new_tokens=1, prompt_logprobs=True, prompt_logprobs_start=5)
+    with pytest.raises(InvalidRequestError, match="scores nothing"):
+        eng.add_request("p", [1, 2, 3, 4, 5], scored)
+    eng.add_request("p", [1, 2, 3, 4, 5, 6], scored)  # position 5 exists
+    [final] = [o for o in eng.drain() if o.finished]
+    assert final.prompt_logprobs[:5] == [None] * 5 and final.prompt_logprobs[5] is not None
+    with pytest.raises(ValueError, match="max_queued_requests must be >= 1"):
+        make_engine(max_queued_requests=0)  # LLM.generate would have waited forever
+
+
+def test_the_id_of_an_aborted_waiting_request_may_be_reused():
+    """An aborted waiting request finishes at once; its final output comes with the next
+    step. A new request under its id meanwhile must stay the engine's: abortable, and its
+    id taken until it finishes."""
+    eng = make_engine()
+    eng.add_request("a", [1, 2, 3], GREEDY)
+    assert eng.abort("a")
+    eng.add_request("a", [1, 2, 3], dataclasses.replace(GREEDY, max_new_tokens=30))
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [("a", "abort")]
+    assert "a" in eng.requests
+    with pytest.raises(InvalidRequestError, match="already running"):
+        eng.add_request("a", [4, 5], GREEDY)
+    assert eng.abort("a")
+    [final] = [o for o in eng.drain() if o.finished]
+    assert final.finish_reason == "abort" and len(final.token_ids) < 30
+    eng.check_integrity()
+
+
+def test_accept_length_of_plain_decoding_is_one_after_retractions():
+    """A retracted request's re-prefill samples a token that no decode step gave it."""
+    reqs = [(f"r{i}", [(7 * i + j) % 90 + 1 for j in range(30)], dataclasses.replace(GREEDY, max_new_tokens=40))
+            for i in range(6)]
+    finals = run_workload(make_engine(kv_cache_tokens=128), {0: reqs})
+    assert any(f.metrics.num_retractions for f in finals.values())
+    assert all(f.metrics.accept_length == 1.0 for f in finals.values())
 
 
 def test_prompt_longer_than_the_whole_cache():
