@@ -73,6 +73,13 @@ class BatchInputError(InvalidRequestError):
         self.metadata = metadata
 
 
+def _decode_line(raw: bytes, line_number: int) -> str:
+    try:
+        return raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # (a BOM may open the file)
+    except UnicodeDecodeError as e:
+        raise BatchInputError(line_number, f"line {line_number} is not UTF-8: {e}") from None
+
+
 def _id_key(request_id) -> str:
     # 7 and "7" are different ids, as they are different JSON values.
     return json.dumps(request_id)
@@ -206,12 +213,13 @@ def run_batch(llm, input_path: str, output_path: str, defaults: SamplingParams |
     work: list[tuple[BatchRequest, int, SamplingParams]] = []  # (request, sample index, its params)
     errors: list[BatchInputError] = []
     seen: set[str] = set()
-    with open(input_path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(input_path, "rb") as f:  # decoded line by line: one bad byte spoils only its line
+        for line_number, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             summary.lines += 1
             try:
+                line = _decode_line(raw, line_number)
                 request = parse_request(line, line_number, defaults, llm.engine, chat_template_kwargs)
             except BatchInputError as e:
                 errors.append(e)

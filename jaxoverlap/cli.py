@@ -119,26 +119,42 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
+def _checked_sampling_params(args: argparse.Namespace):
+    """The command's SamplingParams, or exit with what is wrong (before the model loads)."""
+    from jaxoverlap.errors import InvalidRequestError
+
+    try:
+        return sampling_params(args)
+    except InvalidRequestError as e:
+        sys.exit(str(e))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxoverlap.llm import LLM
 
+    # Checked before the model loads, so that a mistake costs no minutes.
+    params = _checked_sampling_params(args)
+    if args.system and not args.chat:
+        sys.exit("--system needs --chat")
+    if args.stream:
+        if params.n > 1 or len(args.prompts) > 1:
+            sys.exit("--stream prints one text as it comes: give one prompt and leave --n at 1")
+        if args.json or params.logprobs or params.top_logprobs or params.prompt_logprobs:
+            sys.exit("--stream prints text only: drop it for --json, --logprobs, --top-logprobs or --prompt-logprobs")
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_options(args))
     t_load = time.perf_counter() - t0
-    params = sampling_params(args)
     if args.chat:  # each prompt is one user message, under the model's chat template
+        if llm.tokenizer is None:
+            sys.exit("--chat needs the model's tokenizer (tokenizer.json), and this checkpoint has none")
         system = [{"role": "system", "content": args.system}] if args.system else []
         try:
             prompts = [llm.tokenizer.encode_chat(system + [{"role": "user", "content": p}]) for p in args.prompts]
         except ValueError as e:  # InvalidRequestError: no template, or one that refuses the messages
             sys.exit(str(e))
-    elif args.system:
-        sys.exit("--system needs --chat")
     else:
         prompts = args.prompts
     if args.stream:
-        if params.n > 1:
-            sys.exit("--stream prints one sample's text as it comes: leave --n at 1")
         for out in llm.generate_stream(prompts, params):
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
@@ -177,6 +193,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
         sys.exit(f"no input file {args.input!r}")
     if os.path.exists(args.output) and not (args.resume or args.overwrite):
         sys.exit(f"{args.output} exists: pass --resume to continue it or --overwrite to start again")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        sys.exit(f"no folder {folder!r} for the output")
+    defaults = _checked_sampling_params(args)
     try:
         template_kwargs = json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as e:
@@ -185,7 +205,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         sys.exit("--chat-template-kwargs must be a JSON object")
     with LLM(args.model, **engine_options(args)) as llm:
         try:
-            summary = run_batch(llm, args.input, args.output, sampling_params(args), resume=args.resume,
+            summary = run_batch(llm, args.input, args.output, defaults, resume=args.resume,
                                 overwrite=args.overwrite, progress=not args.no_progress,
                                 chat_template_kwargs=template_kwargs)
         except KeyboardInterrupt:

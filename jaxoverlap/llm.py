@@ -39,6 +39,10 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options):
         self.engine = Engine(EngineConfig.from_options(model, **engine_options))
         self._ids = itertools.count()
+        # Every open call's outputs, by request id: a step may be taken by any open call (a
+        # stream paused in a notebook while another generate() runs; two streams zipped),
+        # and it files each output in its own call's inbox (one deque per call).
+        self._routes: dict[str, collections.deque] = {}
 
     def close(self) -> None:
         """Free the engine's device memory now (Engine.close); the LLM cannot generate after."""
@@ -96,6 +100,30 @@ class LLM:
             p = pending.popleft()
             engine.add_request(p.request_id, p.prompt_ids, p.params)
 
+    def _open_call(self, pending: collections.deque) -> collections.deque:
+        """The inbox of a new call: every output of its requests lands there."""
+        inbox = collections.deque()
+        for p in pending:
+            self._routes[p.request_id] = inbox
+        return inbox
+
+    def _outputs(self, inbox: collections.deque, pending: collections.deque) -> list[RequestOutput]:
+        """The call's next outputs: those another call's steps filed for it, else the next
+        steps' (the call queues more of its requests first)."""
+        while not inbox:
+            self._feed(pending)
+            if not self.engine.has_work():  # (never expected: the call's requests are lost)
+                raise RuntimeError("the engine is idle but this call's requests have not finished")
+            for out in self.engine.step():
+                box = self._routes.get(out.request_id)
+                if box is not None:  # not: a request given up, or one added to the engine directly
+                    box.append(out)
+                    if out.finished:
+                        del self._routes[out.request_id]
+        outs = list(inbox)
+        inbox.clear()
+        return outs
+
     def generate_stream(
         self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, sampling_params=None
     ) -> Iterator[RequestOutput]:
@@ -103,14 +131,13 @@ class LLM:
         `llm-N-k` for sample k of a prompt with SamplingParams.n > 1)."""
         pending = self._prepare(prompts, sampling_params)
         ids = {p.request_id for p in pending}
+        inbox = self._open_call(pending)
         try:
             while ids:
-                self._feed(pending)
-                for out in self.engine.step():
-                    if out.request_id in ids:
-                        yield out
-                        if out.finished:
-                            ids.discard(out.request_id)
+                for out in self._outputs(inbox, pending):
+                    yield out
+                    if out.finished:
+                        ids.discard(out.request_id)
         finally:  # the caller stopped early (break, close, an exception): nothing of this call runs on
             self._abandon(ids)
 
@@ -118,6 +145,7 @@ class LLM:
         """Abort the call's requests that have not finished, so that a call given up (a loop
         left early, Ctrl-C in a notebook) leaves no work behind in the engine."""
         for rid in ids:
+            self._routes.pop(rid, None)
             self.engine.abort(rid)  # False for those never queued or already done
 
     def chat(self, conversations, sampling_params=None, *, use_tqdm: bool = False,
@@ -234,6 +262,7 @@ class LLM:
         by their sample_index. Leaving the loop early aborts what has not finished."""
         pending = self._prepare(prompts, sampling_params)
         by_id = {p.request_id: p for p in pending}
+        inbox = self._open_call(pending)
         texts = {rid: [] for rid in by_id}
         logprobs = {rid: [] for rid in by_id}
         top = {rid: [] for rid in by_id}
@@ -244,11 +273,8 @@ class LLM:
             bar = tqdm(total=len(by_id), desc="generate", unit="req")
         try:
             while texts:
-                self._feed(pending)
-                for out in self.engine.step():
+                for out in self._outputs(inbox, pending):
                     rid = out.request_id
-                    if rid not in texts:
-                        continue
                     texts[rid].append(out.new_text)
                     if out.new_logprobs is not None:
                         logprobs[rid].extend(out.new_logprobs)

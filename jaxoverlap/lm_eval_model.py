@@ -16,7 +16,8 @@ How requests become engine work, as lm-eval's Hugging Face model does it:
   keeps its last tokens. `LLM.loglikelihood`: the context's pages may come from the prefix
   cache, so the choices of one question prefill it once.
 - loglikelihood_rolling (text,): `LLM.loglikelihood_rolling`, lm-eval's disjoint windows.
-- generate_until (context, gen_kwargs): greedy unless do_sample; `until` as stop strings
+- generate_until (context, gen_kwargs): greedy unless do_sample or a temperature (see
+  `_temperature`); `until` as stop strings
   (the text is also cut at the first of them, as lm-eval does); `max_gen_toks` (default
   256); the context left-truncated to leave room for them.
 """
@@ -74,7 +75,9 @@ class JaxOverlapLM(_LMBase):
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole = self.tokenizer.encode(context + continuation)
         ctx = self.tokenizer.encode(context)
-        return ctx, whole[len(ctx):]
+        # A context of spaces only has gone to the continuation: condition it on the prefix
+        # token, as an empty context is.
+        return ctx or [self.llm.prefix_token_id], whole[len(ctx):]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         limit = self.llm.engine.max_context_len - 2  # the prompt, less one token for the request's output
@@ -101,7 +104,7 @@ class JaxOverlapLM(_LMBase):
             until = kw.pop("until", None) or []
             until = [until] if isinstance(until, str) else [s for s in until if s]
             max_gen = int(kw.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
-            temperature = float(kw.pop("temperature", 0.0)) if kw.pop("do_sample", False) else 0.0
+            temperature = _temperature(kw.pop("do_sample", None), kw.pop("temperature", None))
             sampling = {k: kw[k] for k in ("top_p", "top_k", "min_p", "seed") if k in kw}
             ids = self.tokenizer.encode(context) or [self.llm.prefix_token_id]
             max_gen = min(max_gen, limit - 1)
@@ -117,6 +120,17 @@ class JaxOverlapLM(_LMBase):
                 text = text.split(s)[0]
             out.append(text)
         return out
+
+
+def _temperature(do_sample, temperature) -> float:
+    """A task's sampling temperature: do_sample=False is greedy whatever the temperature (as
+    lm-eval's HF model); a temperature given otherwise is kept (as its vLLM model); sampling
+    with no temperature samples at 1.0 (transformers' default), and neither is greedy."""
+    if do_sample is False:
+        return 0.0
+    if temperature is not None:
+        return float(temperature)
+    return 1.0 if do_sample else 0.0
 
 
 if _register_model is not None:

@@ -179,6 +179,19 @@ class DeviceInputs:
         return dev
 
 
+def _buckets_of(sizes, buckets: tuple[int, ...], what: str, cap: int | None = None) -> tuple[int, ...]:
+    """The buckets that serve `sizes` (every bucket for None), each once; a size is capped at
+    `cap` first (a context longer than the table runs at the table's width)."""
+    if sizes is None:
+        return tuple(buckets)
+    out = []
+    for n in sizes:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{what} must hold positive integers, got {n!r}")
+        out.append(pick(buckets, min(int(n), cap) if cap else int(n)))  # ValueError past the largest bucket
+    return tuple(dict.fromkeys(out))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -473,9 +486,11 @@ class ModelRunner:
         import jax
 
         tops = tuple(dict.fromkeys(bool(t) for t in top_logprobs))
-        jobs = [("decode", B, ctx, bool(s), d, t) for B in (batch_sizes or self.batch_buckets)
-                for ctx in (ctx_lens or self.decode_ctx_buckets) for s in sampling for d in self.decode_variants(B)
-                for t in tops]
+        # Sizes between buckets run in the bucket above them: that is the program to compile.
+        batches = _buckets_of(batch_sizes, self.batch_buckets, "batch_sizes")
+        ctxs = _buckets_of(ctx_lens, self.decode_ctx_buckets, "ctx_lens", self.table_width)
+        jobs = [("decode", B, ctx, bool(s), d, t) for B in batches
+                for ctx in ctxs for s in sampling for d in self.decode_variants(B) for t in tops]
         if prefill:
             jobs += [("prefill", R, T, ctx, t) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
                      for ctx in self.prefill_ctx_buckets if self.prefill_shapes.runs(R, T) for t in tops]

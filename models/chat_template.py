@@ -16,6 +16,7 @@ import json
 import os
 
 from jaxoverlap.errors import InvalidRequestError
+from jaxoverlap.models.config import read_json
 
 # Special tokens of tokenizer_config.json that templates read as variables.
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -87,8 +88,7 @@ class ChatTemplate:
         config = {}
         config_path = os.path.join(model_path, "tokenizer_config.json")
         if os.path.exists(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+            config = read_json(config_path)
         specials = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
         jinja_path = os.path.join(model_path, "chat_template.jinja")
         if os.path.exists(jinja_path):

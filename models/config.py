@@ -13,6 +13,20 @@ import numpy as np
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint's files do not hold what their format says: a file that is not JSON, a
+    config without a key the model needs, a tensor missing or of the wrong shape."""
+
+
+def read_json(path: str):
+    """A checkpoint's JSON file; CheckpointError naming it if it is not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -65,6 +79,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        try:
+            return cls._from_hf_dict(cfg)
+        except KeyError as e:
+            raise CheckpointError(f"the model config lacks {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
@@ -102,5 +123,11 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, model_path: str) -> "ModelConfig":
-        with open(os.path.join(model_path, "config.json")) as f:
-            return cls.from_hf_dict(json.load(f))
+        path = os.path.join(model_path, "config.json")
+        cfg = read_json(path)
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{path} must hold a JSON object")
+        try:
+            return cls.from_hf_dict(cfg)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None

@@ -19,14 +19,13 @@ rejected with an error: they need hidden states from three target layers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.config import ModelConfig, read_json
 from jaxoverlap.models.loader import (
     CheckpointError,
     SafetensorsReader,
@@ -120,8 +119,7 @@ def load_eagle_head(path: str, target: ModelConfig, dtype) -> tuple[ModelConfig,
     overrides = {}
     cfg_file = os.path.join(path, "config.json")
     if os.path.exists(cfg_file):
-        with open(cfg_file) as f:
-            hf = json.load(f)
+        hf = read_json(cfg_file)
         overrides.update({k: hf[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
                                                "intermediate_size", "rms_norm_eps", "rope_theta") if hf.get(k)})
     overrides["intermediate_size"] = reader.shape(lp + "mlp.gate_proj.weight")[0]

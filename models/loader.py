@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.config import CheckpointError, ModelConfig, read_json
 from jaxoverlap.models.params import (
     LayerParams,
     ModelParams,
@@ -59,10 +59,6 @@ _ML_DTYPES = {
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-class CheckpointError(ValueError):
-    """The checkpoint does not match its config: a tensor is missing or has the wrong shape."""
-
-
 def default_model_path() -> str:
     """Folder of the tiny Qwen3-family model shipped with the package (see make_default_model.py)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
@@ -78,8 +74,10 @@ def safetensors_files(model_path: str) -> list[str]:
     else every `*.safetensors` in the folder."""
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        meta = read_json(index)
+        weight_map = meta.get("weight_map") if isinstance(meta, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map object (tensor name -> shard file)")
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not os.path.exists(os.path.join(model_path, n))]
         if missing:

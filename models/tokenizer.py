@@ -10,7 +10,6 @@ produced, and holds everything back while the text ends in an incomplete charact
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterable, Sequence
 
@@ -18,6 +17,7 @@ import tokenizers
 
 from jaxoverlap.errors import InvalidRequestError
 from jaxoverlap.models.chat_template import ChatTemplate
+from jaxoverlap.models.config import read_json
 
 try:  # newer tokenizers releases; the ones the engine uses take prompt ids and lists of ids
     from tokenizers.decoders import DecodeStream as _DecodeStream
@@ -31,10 +31,7 @@ _REPLACEMENT = "\ufffd"
 
 
 def _read_json(path: str) -> dict:
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(path) if os.path.exists(path) else {}
 
 
 def _token_content(tok) -> str | None:
@@ -164,7 +161,10 @@ class IncrementalDecoder:
         self._context: list[int] = [int(i) for i in prompt_ids[max(len(prompt_ids) - _CONTEXT_TOKENS, 0) :]]
         self._pending: list[int] = []
         self._stream = None
-        if _DecodeStream is not None:
+        # DecodeStream repeats part of a context that ends in an incomplete character (a
+        # prompt cut inside a multi-byte character's tokens) in its first text; the window
+        # method below does not.
+        if _DecodeStream is not None and not (self._context and self._decode(self._context).endswith(_REPLACEMENT)):
             try:
                 self._stream = _DecodeStream(ids=list(self._context), skip_special_tokens=skip_special_tokens)
             except TypeError:  # a tokenizers release whose DecodeStream takes no prompt ids

@@ -89,6 +89,18 @@ def test_results_equal_generate_and_bad_lines_get_errors(llm, tmp_path):
     llm.engine.check_integrity()
 
 
+def test_a_line_that_is_not_utf8_gets_an_error_and_the_rest_run(llm, tmp_path):
+    data = ("\ufeff" + json.dumps({"id": "a", "prompt": "Once"}) + "\n").encode() + b'{"id": "b", "prompt": "caf\xe9"}\n'
+    data += (json.dumps({"id": "c", "prompt": "The dog"}) + "\n").encode()  # (a BOM opens the file)
+    (tmp_path / "in.jsonl").write_bytes(data)
+    out = str(tmp_path / "out.jsonl")
+    summary = run_batch(llm, str(tmp_path / "in.jsonl"), out, DEFAULTS, progress=False)
+    records = {r["id"]: r for r in read_records(out)}
+    assert (summary.generated, summary.errors) == (2, 1)
+    assert "line 2 is not UTF-8" in records[2]["error"]
+    assert records["a"]["token_ids"] == expected(llm, {"prompt": "Once"}).token_ids and "token_ids" in records["c"]
+
+
 def test_an_interrupted_run_resumes_to_each_id_once_with_the_same_tokens(llm, tmp_path):
     lines = [{"id": f"q{i}", "prompt": f"Story number {i} begins", "sampling_params": {
         "max_new_tokens": 4 + i % 5, "temperature": 0.0 if i % 2 else 0.8, "seed": i}} for i in range(10)]
@@ -206,3 +218,37 @@ def test_cli_chat_with_a_checkpoints_template(tmp_path, capsys):
     assert main(["batch", inp, "-o", str(out), "--no-progress", *engine_args]) == 0
     [record] = read_records(out)
     assert record["token_ids"] == generated["token_ids"] and record["text"] == generated["text"]
+
+
+def test_cli_mistakes_are_refused_before_the_model_loads(tmp_path):
+    """"--model" names no checkpoint here: each mistake must be caught before a load is tried."""
+    from jaxoverlap.cli import main
+
+    nowhere = ["--model", str(tmp_path / "no-model")]
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello"}])
+    for args, message in [
+        (["generate", "a", "b", "--stream"], "give one prompt"),
+        (["generate", "a", "--stream", "--json"], "prints text only"),
+        (["generate", "a", "--stream", "--logprobs"], "prints text only"),
+        (["generate", "a", "--temperature", "-1"], "temperature must be"),
+        (["generate", "a", "--system", "x"], "--system needs --chat"),
+        (["batch", inp, "-o", str(tmp_path / "no-folder" / "out.jsonl")], "no folder"),
+        (["batch", inp, "-o", str(tmp_path / "out.jsonl"), "--top-p", "0"], "top_p must be"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(args + nowhere)
+
+
+def test_cli_chat_needs_a_tokenizer(tmp_path):
+    import shutil
+
+    from jaxoverlap.cli import main
+    from jaxoverlap.models.loader import default_model_path
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model_path(), model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    with pytest.raises(SystemExit, match="--chat needs the model's tokenizer"):
+        main(["generate", "A fox", "--chat", "--model", str(model), "--max-running-requests", "2",
+              "--max-context-len", "64", "--kv-cache-tokens", "256", "--page-size", "8"])

@@ -1,4 +1,6 @@
 """The public Python API on the embedded default model: generate, streaming, stop strings."""
+import itertools
+
 import pytest
 
 from jaxoverlap import LLM, SamplingParams
@@ -244,3 +246,27 @@ def test_a_call_given_up_leaves_no_work_behind(llm):
     engine.check_integrity()
     [res] = llm.generate(["Hello"], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(res.token_ids) == 3  # and the LLM goes on serving
+
+
+def test_calls_may_interleave(llm):
+    """A stream paused (kept in a notebook variable) while another call runs, and two
+    streams consumed in turn: whichever call steps the engine files each output for its own
+    call, so every call gets all of its outputs, the same as alone."""
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    [alone_a, alone_b] = llm.generate(["Hello", "The cat"], params)
+    paused = llm.generate_stream(["Hello"], params)
+    first = next(paused)
+    [b] = llm.generate(["The cat"], params)  # runs "Hello" to its end too
+    rest = list(paused)
+    assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == alone_a.token_ids
+    assert rest[-1].finished and b.token_ids == alone_b.token_ids
+    one = llm.generate_stream(["Hello"], params)
+    two = llm.generate_unordered(["The cat"], params)
+    deltas, results = [], []
+    for x, y in itertools.zip_longest(one, two):
+        deltas += [x] if x is not None else []
+        results += [y] if y is not None else []
+    assert [t for d in deltas for t in d.new_token_ids] == alone_a.token_ids
+    assert [r.token_ids for _, r in results] == [alone_b.token_ids]
+    assert not llm._routes and not llm.engine.requests
+    llm.engine.check_integrity()

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from jaxoverlap import LLM, SamplingParams
-from jaxoverlap.lm_eval_model import JaxOverlapLM
+from jaxoverlap.lm_eval_model import JaxOverlapLM, _temperature
 
 
 @dataclasses.dataclass
@@ -34,6 +34,10 @@ def test_loglikelihood_splits_pairs_as_lm_eval(lm):
     assert got[0] == got[1] == pytest.approx(want[0], abs=1e-5)
     assert got[2] == pytest.approx(want[1], abs=1e-5)
     assert all(lp < 0 for lp, _ in got)
+    # A context of spaces only: its spaces join the continuation, conditioned on the prefix token.
+    [(lp, _)] = lm.loglikelihood([Request(("  ", "Hello"))], disable_tqdm=True)
+    [(want_lp, _)] = lm.llm.loglikelihood([([lm.llm.prefix_token_id], tok.encode("  Hello"))])
+    assert lp == pytest.approx(want_lp, abs=1e-5)
     # A pair longer than the context keeps its last tokens instead of failing.
     [(lp, _)] = lm.loglikelihood([Request(("word " * 200, "end"))], disable_tqdm=True)
     assert lp < 0
@@ -66,3 +70,12 @@ def test_registered_with_lm_eval_where_installed(lm):
     from lm_eval.api.registry import get_model
 
     assert get_model("jaxoverlap") is JaxOverlapLM and isinstance(lm, api.model.LM)
+
+
+def test_generate_until_samples_when_the_task_asks(lm):
+    """do_sample=True with no temperature samples (at 1.0); a temperature alone is kept."""
+    assert [_temperature(*a) for a in [(None, None), (False, 0.7), (True, None), (True, 0.5), (None, 0.8)]] == [
+        0.0, 0.0, 1.0, 0.5, 0.8]
+    got = lm.generate_until([Request(("Once upon a time", {"max_gen_toks": 12, "do_sample": True, "seed": s}))
+                             for s in range(4)], disable_tqdm=True)
+    assert len(set(got)) > 1

@@ -193,6 +193,37 @@ def test_no_weights_and_bad_format(tmp_path, hf_checkpoint):
         load_params(path, cfg, jnp.float32, load_format="pt")
 
 
+def test_malformed_checkpoint_files_are_named(tmp_path):
+    """A config that is not JSON or lacks a key, an index without its weight map, a tokenizer
+    config that is not JSON: a CheckpointError that names the file and what is wrong."""
+    from jaxoverlap.models.tokenizer import Tokenizer
+
+    def copy(name):
+        path = tmp_path / name
+        shutil.copytree(default_model_path(), path)
+        return path
+
+    bad = copy("bad_json")
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
+        ModelConfig.from_path(str(bad))
+    lacking = copy("lacking")
+    config = json.loads((lacking / "config.json").read_text())
+    del config["intermediate_size"]
+    (lacking / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"config\.json: the model config lacks 'intermediate_size'"):
+        ModelConfig.from_path(str(lacking))
+    index = copy("index")
+    (index / "model.safetensors").rename(index / "model-00001-of-00001.safetensors")
+    (index / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match="index.json has no weight_map"):
+        loader.safetensors_files(str(index))
+    tok = copy("tok")
+    (tok / "tokenizer_config.json").write_text("")
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json is not valid JSON"):
+        Tokenizer.from_path(str(tok))
+
+
 def test_llama3_rope_scaling_config(hf_checkpoint):
     """config.json written by transformers (rope_parameters) parses to llama3 scaling whose
     inverse frequencies equal the ones transformers computes."""

@@ -170,6 +170,23 @@ def test_incremental_decode_random_ids(default_tok, backend):
         assert default_tok.decode(prompt) + text == full
 
 
+def test_a_prompt_cut_inside_a_character_adds_none_of_its_text(default_tok):
+    """A token-id prompt may end inside a multi-byte character (lists cut at N tokens of
+    CJK text or emoji). DecodeStream would repeat the prompt's text in its first delta; the
+    decoder takes the window method for such a prompt, whose text is what follows it."""
+    prompt_ids = default_tok.encode("ok 🙂")[:-1]
+    assert default_tok.decode(prompt_ids).endswith("\ufffd")
+    dec = default_tok.incremental_decoder(prompt_ids)
+    assert dec._stream is None
+    rng = random.Random(1)
+    for _ in range(10):
+        ids = [rng.randrange(3, default_tok.vocab_size) for _ in range(rng.randint(1, 20))]
+        dec = default_tok.incremental_decoder(prompt_ids)
+        text = "".join(dec.step(i) for i in ids) + dec.flush()
+        full, prompt = default_tok.decode(prompt_ids + ids), default_tok.decode(prompt_ids)
+        assert text == full[len(prompt):]
+
+
 def test_flush_emits_incomplete_tail(default_tok, backend):
     ids = default_tok.encode("ok 🙂")
     dec = _decoder(default_tok, backend=backend)

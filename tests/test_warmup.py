@@ -59,6 +59,16 @@ def test_warmup_leaves_nothing_to_compile(algo):
     assert len(calls) == sum(t.kind == "decode" for t in eng.timings) > 0
 
 
+def test_warmup_of_sizes_between_buckets_compiles_their_buckets():
+    eng = make_engine(batch_buckets=(2, 4), max_running_requests=4, max_context_len=64)
+    for bad, message in (([0], "positive integers"), ([True], "positive integers"), ([5], "largest bucket")):
+        with pytest.raises(ValueError, match=message):
+            eng.warmup(batch_sizes=bad)
+    ctx = eng.runner.decode_ctx_buckets
+    report = eng.warmup(batch_sizes=[3, 4], ctx_lens=[ctx[0] - 1, 10_000])  # 3 runs as 4; past the table: its width
+    assert {(x["batch"], x["ctx_len"]) for x in report} == {(4, ctx[0]), (4, ctx[-1])}
+
+
 def test_the_check_can_fail():
     """Without the warm-up, a new decode bucket compiles on first use: the counter sees it."""
     # A model shape no other test uses, so jit's in-process cache cannot hold its programs.
