@@ -77,7 +77,8 @@ def git_commit() -> str:
     import subprocess
 
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=_ROOT).stdout.strip()
     except OSError:
         return ""
 
@@ -101,7 +102,7 @@ def median(xs):
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    widths = {c: max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in cols}
     print("  ".join(c.rjust(widths[c]) for c in cols))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in cols))

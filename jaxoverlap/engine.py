@@ -81,6 +81,18 @@ class StepTiming:
     # Programs the launch compiled or loaded from the persistent cache (compile_watch):
     # launch_s then includes that time, which every request waited.
     compiled: int = 0
+    fresh_process_s: float = 0.0  # the processing part of fresh_wait_s (the rest is the wait)
+
+    @property
+    def all_wait_s(self) -> float:
+        """Blocked on the device in this iteration: for the host n-gram drafter's batches,
+        the wait for step N before the launch too."""
+        return self.wait_s + self.fresh_wait_s - self.fresh_process_s
+
+    @property
+    def all_process_s(self) -> float:
+        """Bookkeeping of processed steps in this iteration, before the launch too."""
+        return self.process_s + self.fresh_process_s
 
 
 @dataclasses.dataclass
@@ -469,12 +481,12 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()  # decided from results up to step N-1
         t1 = time.perf_counter()
-        early, fresh_s = [], 0.0
+        early, fresh_s, fresh_wait_s = [], 0.0, 0.0
         if batch is not None and self._inflight is not None and self.runner.needs_host_results(batch):
             # Host n-gram: the drafts need step N's tokens, so this batch gives up overlap.
             # Its reservations, made from older counts, still cover it.
             prev, self._inflight = self._inflight, None
-            _, early, _ = self._process(prev)
+            fresh_wait_s, early, _ = self._process(prev)
             fresh_s = time.perf_counter() - t1
         t1b = time.perf_counter()
         launched = self._launch(batch) if batch is not None else None  # step N+1 queued behind N
@@ -482,7 +494,7 @@ class Engine:
         prev, self._inflight = self._inflight, launched
         wait_s, outputs, found_done = self._process(prev)  # waits for step N only
         self._record(batch, t1 - t0, t2 - t1b, wait_s, time.perf_counter() - t2 - wait_s, fresh_s, start_s=t0,
-                     found_done=found_done)
+                     found_done=found_done, fresh_process_s=fresh_s - fresh_wait_s)
         return early + outputs
 
     def _step_normal(self) -> list[RequestOutput]:
@@ -528,14 +540,15 @@ class Engine:
         return wait_s, self._make_outputs(updated, finished), found_done
 
     def _record(self, batch, prepare_s, launch_s, wait_s, process_s, fresh_wait_s=0.0, *, start_s=0.0,
-                found_done=False) -> None:
+                found_done=False, fresh_process_s=0.0) -> None:
         kind, size = (batch.kind, batch.size) if batch is not None else ("", 0)
         draft_s = self.runner.last_draft_s if batch is not None and self.runner.needs_host_results(batch) else 0.0
         accepted, rows = self._accepted
         self._accepted = (0, 0)
         compiled, self._compiles.programs = self._compiles.programs, 0
         timing = StepTiming(kind, size, prepare_s, launch_s, wait_s, process_s, fresh_wait_s, draft_s, accepted,
-                            rows, start_s, len(batch.reservations) if batch is not None else 0, found_done, compiled)
+                            rows, start_s, len(batch.reservations) if batch is not None else 0, found_done, compiled,
+                            fresh_process_s)
         self.timings.append(timing)
         self.loop_totals.add(timing, self.overlap)
         if compiled:

@@ -174,3 +174,18 @@ def test_prefill_sample_bench(tmp_path):
     res = run_script(tmp_path, "prefill_sample_bench", "--tiny", "--rows", "8", "32", "--iters", "2", "--repeats", "1")
     assert [(r["rows"], r["requests"]) for r in res["rows"]] == [(8, 8), (32, 8)]
     assert all(r["every_row_ms"] > 0 and r["one_per_request_ms"] > 0 for r in res["rows"])
+
+
+def test_common_helpers(tmp_path, monkeypatch, capsys):
+    """print_table of no rows prints the header; git_commit names this checkout's commit
+    from any working folder."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    common.print_table([], ["phase", "seconds"])
+    assert capsys.readouterr().out.split() == ["phase", "seconds"]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    monkeypatch.chdir(tmp_path)  # not a repository
+    assert common.git_commit() == head

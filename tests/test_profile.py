@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -411,6 +412,55 @@ def test_edges_section_splits_the_wall_at_the_first_launch_and_the_last_wait():
     assert e["tail_ms"] == pytest.approx(1000 * (1.0 - 0.9501))  # after the drain's wait
     assert e["head_ms"] + e["middle_ms"] + e["tail_ms"] == pytest.approx(1000.0)
     assert e["near_zero_waits"] == 1  # the second decode iteration's 10 us wait
+
+
+def test_host_ngram_waits_and_processing_before_the_launch_count_as_wait_and_process():
+    """With the host n-gram drafter the overlap loop waits for and processes step N before
+    it launches (fresh_wait): the report's wait, process and busy include those parts."""
+    from jaxoverlap.engine import StepTiming
+    from jaxoverlap.profiling.capture import Run
+    from jaxoverlap.profiling.report import edges_section, host_section
+
+    t0 = 100.0
+    timings = [StepTiming("prefill", 2, 0.001, 0.002, 0.0, 0.0005, start_s=t0 + 0.001)] + [
+        StepTiming("decode", 2, 0.001, 0.002, 0.0, 0.0002, fresh_wait_s=0.004, fresh_process_s=0.001,
+                   start_s=t0 + 0.01 * i) for i in range(1, 4)] + [
+        StepTiming("", 0, 0.0001, 0.0, 0.002, 0.001, start_s=t0 + 0.04)]  # the drain
+    host = host_section([Run("overlap", 0.05, 6, timings, start_s=t0)])
+    assert host["wait_ms"]["median"] == pytest.approx(3.0) and host["process_ms"]["median"] == pytest.approx(1.2)
+    assert host["busy_ms"]["median"] == pytest.approx(1.0 + 2.0 + 1.2)
+    assert host["fresh_wait_ms"]["median"] == pytest.approx(4.0)
+    assert host["iteration_ms"]["median"] == pytest.approx(1.0 + 2.0 + 0.2 + 4.0)  # nothing counted twice
+    assert edges_section([Run("overlap", 0.05, 6, timings, start_s=t0)])["near_zero_waits"] == 0
+
+
+def test_the_traced_runs_wall_leaves_out_the_profiler(monkeypatch):
+    """Starting and stopping the profiler (writing the trace) is not the run's time."""
+    import time
+
+    from engine_fixtures import make_engine
+
+    from jaxoverlap.profiling import capture
+
+    stop = capture._stop_trace
+    monkeypatch.setattr(capture, "_stop_trace", lambda engine: (time.sleep(1.0), stop(engine)))
+    engine = make_engine()
+    w = capture.Workload(batch_size=2, prompt_len=8, new_tokens=10)
+    runner = capture.WorkloadRunner(engine)
+    runner.run(w, "overlap")  # compiles
+    with tempfile.TemporaryDirectory() as d:
+        run = runner.run(w, "overlap", capture.TraceWindow(steps=3, skip=2), d)
+    assert run.wall_s < 1.0
+
+
+def test_profile_cli_refuses_options_it_cannot_honour(tmp_path):
+    from jaxoverlap.cli import main
+
+    base = ["profile", "--out", str(tmp_path / "p"), "--model", str(tmp_path / "no-model")]
+    for extra, message in ((["--repeats", "0"], "--repeats must be >= 1"), (["--steps", "0"], "--steps must be >= 1"),
+                           (["--skip", "-1"], "--skip must be >= 0"), (["--disable-overlap"], "drop --disable-overlap")):
+        with pytest.raises(SystemExit, match=message):
+            main(base + extra)
 
 
 def test_timeline_intervals_merge_back_to_back_ops():

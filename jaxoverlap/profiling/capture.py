@@ -78,20 +78,25 @@ class WorkloadRunner:
         tokens0 = engine.tokens_generated
         self._submit(w)
         tracing, traced = False, 0
+        profiler_s = 0.0  # starting and stopping the profiler (writing the trace): not the run's time
         t0 = time.perf_counter()
         while engine.has_work():
             if window is not None and not tracing and traced == 0 and self._steady(window.skip):
+                t = time.perf_counter()
                 _start_trace(trace_dir)
+                profiler_s += time.perf_counter() - t
                 tracing = True
             engine.step()
             if tracing:
                 traced += 1
                 if traced >= window.steps:
+                    t = time.perf_counter()
                     _stop_trace(engine)
+                    profiler_s += time.perf_counter() - t
                     tracing = False
+        wall = time.perf_counter() - t0 - profiler_s
         if tracing:  # the workload ended inside the window
             _stop_trace(engine)
-        wall = time.perf_counter() - t0
         run = Run(mode, wall, engine.tokens_generated - tokens0, list(engine.timings), start_s=t0)
         if window is not None:
             if traced == 0:

@@ -29,6 +29,13 @@ def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
     from jaxoverlap.engine import Engine
     from jaxoverlap.profiling import capture, report
 
+    for name in ("steps", "repeats"):
+        if getattr(args, name) < 1:
+            sys.exit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.skip < 0:
+        sys.exit(f"--skip must be >= 0, got {args.skip}")
+    if engine_options.get("disable_overlap"):
+        sys.exit("profile runs both loops, overlap and normal, itself: drop --disable-overlap")
     if args.new_tokens < args.skip + 2:
         sys.exit(f"--new-tokens {args.new_tokens} leaves no decode steps to trace after --skip {args.skip}")
     needed = max(args.batch_size)
