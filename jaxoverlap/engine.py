@@ -632,7 +632,7 @@ class Engine:
             "loop": dataclasses.asdict(self.loop_totals),
         }
 
-    def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int = 8,
+    def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int | None = None,
                prefill: bool = False, top_logprobs: bool = False) -> list[dict]:
         """Compile the decode programs before traffic arrives, by default every batch bucket
         at every context bucket, greedy (pass sampling=(False, True) for both programs), and

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 import time
 
@@ -35,6 +36,21 @@ from jaxoverlap.scheduler import ScheduledBatch
 # precompiling on a CPU stops while this many mappings are still free (8 threads compiling
 # large programs at once fit in it).
 CPU_MAP_RESERVE = 8000
+CPU_MAX_COMPILE_THREADS = 8
+
+# Programs that compile at once by default: one per core, at most this many. On the H100's
+# 16-core host, 16 threads compiled the 47 programs of `serve --precompile all` in 195 s and
+# 8 threads in 237 s (benchmarks/RESULTS.md, 2026-12-06, second session); more threads than
+# 16 were not measured.
+MAX_COMPILE_THREADS = 16
+
+
+def default_compile_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_COMPILE_THREADS, cores))
 
 
 class PrecompileLimitError(RuntimeError):
@@ -459,15 +475,16 @@ class ModelRunner:
                 dict(static, spec=self.spec if draft else self.paused_spec))
 
     # -- ahead-of-time compilation -----------------------------------------------------------
-    def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int = 8,
+    def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int | None = None,
                    execute: bool = False, prefill: bool = False, top_logprobs=(False,)) -> list[dict]:
         """Compile the decode programs (plain or speculative) of these buckets before they
         are needed: by default every batch bucket at every decode context bucket, greedy.
         With `prefill`, also every prefill program: each (rows, tokens) bucket at each
         prefill context bucket (prefill programs always sample, see `_prefill_program`).
 
-        `threads` programs compile at once: XLA compiles outside the GIL, so on a machine
-        with many cores this divides the wall time. The runner keeps each compiled
+        `threads` programs compile at once (default: one per core, at most 16; at most 8 on
+        a CPU backend): XLA compiles outside the GIL, so on a machine with many cores this
+        divides the wall time. The runner keeps each compiled
         executable and launches it (not through jit, see `_call_decode`), so the first
         launch of those shapes compiles nothing; with `compilation_cache_dir` set, a
         restarted process loads them from disk instead of compiling. With `execute`, each
@@ -517,6 +534,9 @@ class ModelRunner:
             return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx, "top_logprobs": top}
 
         check_maps = jax.default_backend() == "cpu"
+        threads = default_compile_threads() if threads is None else threads
+        if check_maps:  # (CPU_MAP_RESERVE holds this many large programs compiling at once)
+            threads = min(threads, CPU_MAX_COMPILE_THREADS)
         stop = threading.Event()  # set by the job that found the mappings short: the rest skip
 
         def compile_one(job):

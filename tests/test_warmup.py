@@ -370,3 +370,11 @@ def test_precompile_on_a_cpu_stops_with_a_clear_error_before_memory_mappings_run
         eng.warmup(threads=1)
     jobs = len(eng.runner.batch_buckets) * len(eng.runner.decode_ctx_buckets)
     assert jobs > 2 and len(eng.runner._executables) == 2  # the third and later were skipped
+
+
+def test_programs_compile_on_one_thread_per_core_at_most_16(monkeypatch):
+    from jaxoverlap import runner
+
+    for cores, want in ((2, 2), (16, 16), (64, 16)):
+        monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        assert runner.default_compile_threads() == want
