@@ -484,10 +484,10 @@ class ModelRunner:
 
         `threads` programs compile at once (default: one per core, at most 16; at most 8 on
         a CPU backend): XLA compiles outside the GIL, so on a machine with many cores this
-        divides the wall time. The runner keeps each compiled
-        executable and launches it (not through jit, see `_call_decode`), so the first
-        launch of those shapes compiles nothing; with `compilation_cache_dir` set, a
-        restarted process loads them from disk instead of compiling. With `execute`, each
+        divides the wall time. The runner keeps each compiled executable and launches it
+        (not through jit, see `_call_decode`), so the first launch of those shapes compiles
+        nothing; with `compilation_cache_dir` set, a restarted process loads them from disk
+        instead of compiling. With `execute`, each
         decode program then runs once on padding rows (`_run_padding_step`), after every
         compilation: loading a new executable makes XLA drop the CUDA graphs recorded for
         all others (its command buffer eviction), so a program compiled after the runs

@@ -64,7 +64,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(_token_id(t, "stop_token_ids") for t in (self.stop_token_ids or ())))
+        stop_ids = tuple(_token_id(t, "stop_token_ids") for t in (self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", stop_ids)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))

@@ -186,6 +186,7 @@ def test_common_helpers(tmp_path, monkeypatch, capsys):
         sys.path.pop(0)
     common.print_table([], ["phase", "seconds"])
     assert capsys.readouterr().out.split() == ["phase", "seconds"]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
     monkeypatch.chdir(tmp_path)  # not a repository
     assert common.git_commit() == head

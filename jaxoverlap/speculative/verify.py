@@ -13,8 +13,9 @@ Keys are fold_in(fold_in(key(seed), position), tag) with the position of the tok
 draw is about, as in sampling.py, so a request's draws depend on neither its batch nor on
 overlap. (Except where speculation pauses, speculative_disable_by_batch_size: a step that
 drafts nothing samples as plain decoding does, so a seeded sampled request's tokens then
-depend on the batch sizes it met; their distribution does not.) A step starting at length L tests draft j (position L + j) with the ACCEPT key of
-L + j and draws its final token with the FINAL key of L, which no other step uses.
+depend on the batch sizes it met; their distribution does not.) A step starting at length
+L tests draft j (position L + j) with the ACCEPT key of L + j and draws its final token
+with the FINAL key of L, which no other step uses.
 
 `sampling` is static, as in sampling.py: the host knows whether any row of the batch
 samples, and all-greedy programs leave out the vocabulary sorts. (Not a `lax.cond`: on GPU
