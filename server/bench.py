@@ -152,8 +152,9 @@ def sharegpt_requests(path: str, num: int, rng: random.Random, tokenizer=None, o
         out.append(BenchRequest(prompt, n_in, n_out))
     if not out:
         raise ValueError(f"no usable conversations in {path}")
-    while len(out) < num:  # a small file: reuse prompts (prefix caching will then show up)
-        out.append(dataclasses.replace(out[len(out) % max(1, len(out))]))
+    usable = len(out)
+    while len(out) < num:  # a small file: reuse its prompts in turn (prefix caching will then show up)
+        out.append(dataclasses.replace(out[len(out) % usable]))
     return out[:num]
 
 

@@ -199,6 +199,14 @@ class GenerateStream:
     def cancel(self) -> bool:
         return self._call.cancel()
 
+    # `with client.generate(...) as stream:` ends the call on the way out, read to the end
+    # or not (leaving a for loop early keeps it: the stream may be read on).
+    def __enter__(self) -> "GenerateStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._call.cancel()  # a no-op once the call has ended
+
 
 class GenerationClient:
     """Synchronous client. target is "host:port"; token adds `authorization: Bearer <token>`;
@@ -277,6 +285,21 @@ class AsyncGenerateStream:
 
     def cancel(self) -> bool:
         return self._call.cancel()
+
+    async def __aenter__(self) -> "AsyncGenerateStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._call.cancel()  # a no-op once the call has ended
+
+    def __del__(self) -> None:
+        # Unlike the sync client's, a grpc.aio call outlives its last reference: a stream
+        # dropped unread would keep the request running on the server to its end.
+        try:
+            if not self._call.done():
+                self._call.cancel()
+        except Exception:  # noqa: BLE001 - at interpreter exit the loop may be gone
+            pass
 
 
 class AsyncGenerationClient:

@@ -489,6 +489,14 @@ class GenerationServicer:
                     yield pb.GenerateResponse(complete=self._complete(rid, final, k))
                 if not unfinished:
                     return
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client cancelled or went away, or the deadline passed: no status of ours
+            # ends the call, so count it here (a rejected call is counted by _reject).
+            if self.metrics is not None:
+                remaining = context.time_remaining()
+                code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+                self.metrics.errors.labels(code).inc()
+            raise
         finally:
             if self.streams.get(rid) is mailbox:
                 del self.streams[rid]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -122,6 +123,8 @@ def test_sharegpt_loader(tmp_path):
     assert len(reqs) == 5
     assert all(isinstance(r.prompt, str) and r.output_len >= 4 for r in reqs)  # "ok" was too short
     assert {r.prompt for r in reqs} == {data[0]["conversations"][0]["value"], data[3]["conversations"][0]["value"]}
+    # Two usable prompts padded to five: reused in turn, not the first one over and over.
+    assert [r.prompt for r in reqs[2:]] == [reqs[0].prompt, reqs[1].prompt, reqs[0].prompt]
     fixed = bench.sharegpt_requests(str(path), 3, random.Random(0), output_len=7, max_input_len=9)
     assert all(r.output_len == 7 and r.input_len <= 9 for r in fixed)
 
@@ -363,6 +366,55 @@ def _health_turns(client, want, timeout=10.0):
     while client.health() != want and time.monotonic() < deadline:
         time.sleep(0.05)
     return client.health()
+
+
+def test_a_stream_given_up_ends_its_call_and_metrics_count_calls_that_end_early():
+    """A stream used as a context manager ends its call on the way out, and an async stream
+    dropped unread ends it too (a grpc.aio call would outlive it), so the server aborts the
+    request; calls that end by a deadline or a cancel are counted."""
+    engine = _fake(step_delay=0.01)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker, metrics_port=-1).start()
+    try:
+        with GenerationClient(st.target, timeout=30) as c:
+
+            async def leave_early():
+                async with AsyncGenerationClient(st.target) as ac:
+
+                    async def idle():
+                        for _ in range(200):
+                            if (await ac.server_info())["running_requests"] == 0:
+                                return True
+                            await asyncio.sleep(0.02)
+                        return False
+
+                    async with ac.generate("abc", max_new_tokens=3000, ignore_eos=True) as stream:
+                        async for _ in stream:
+                            break
+                    first = await idle()
+                    stream = ac.generate("abc", max_new_tokens=3000, ignore_eos=True)
+                    async for _ in stream:
+                        break
+                    del stream
+                    gc.collect()
+                    return first, await idle()
+
+            assert asyncio.run(leave_early()) == (True, True)
+            with c.generate("abc", max_new_tokens=3000, ignore_eos=True) as stream:
+                next(iter(stream))
+            _wait_idle(c)
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate_text("slow", max_new_tokens=3000, ignore_eos=True, timeout=0.3)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            _wait_idle(c)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
+            assert 'jaxoverlap_request_errors_total{code="DEADLINE_EXCEEDED"} 1.0' in text
+            cancelled = [line for line in text.splitlines() if line.startswith('jaxoverlap_request_errors_total{code="CANCELLED"}')]
+            assert cancelled and float(cancelled[0].split()[-1]) == 3.0  # the three streams given up
+    finally:
+        st.stop()
+        worker.stop()
+    engine.check_integrity()
 
 
 def test_graceful_shutdown_drains():
