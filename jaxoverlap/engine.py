@@ -578,8 +578,12 @@ class Engine:
 
     def _make_outputs(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
         reqs = updated
-        if finished:  # a request that finished in this step is in both lists: once each, in order
-            reqs = list({r.request_id: r for r in updated + finished}.values())
+        if finished:  # a request that finished in this step is in both lists: once each.
+            # By object, not id, and those the step did not update (aborted ones) first: an
+            # aborted request's id may already be taken by a new request that finishes in the
+            # same step, and both finals go out, the old one's first.
+            stepped = {id(r) for r in updated}
+            reqs = [r for r in finished if id(r) not in stepped] + updated
         outputs = []
         for req in reqs:
             params, n_ids, finished = req.params, len(req.output_ids), req.finished

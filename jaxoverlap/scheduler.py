@@ -186,9 +186,12 @@ class Scheduler:
         budget = self.cfg.chunked_prefill_size
         rows: list[BatchRow] = []
         reservations: list[tuple[int, int, int]] = []
-        # Headroom for the running requests' next top-ups, so admission does not force an
-        # immediate retraction.
-        headroom = len(self.running)
+        # Headroom for the running requests' next top-up, so admission does not force an
+        # immediate retraction of what it admits: by then each row may have grown by two
+        # windows (the overlap loop processes two decode steps, the one in flight and the
+        # next, around this prefill). At least a page a row, as before.
+        grown = self._row_targets(2 * self.cfg.window)
+        headroom = max(len(self.running), sum(max(0, t - len(r.pages)) for r, t in zip(self.running, grown)))
         first = self.prefilling
         if first is None:  # admit the first row's request before planning around it
             if not self._can_admit() or not self._admit(self.waiting[0], reservations, headroom):

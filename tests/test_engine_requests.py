@@ -114,6 +114,19 @@ def test_the_id_of_an_aborted_waiting_request_may_be_reused():
     eng.check_integrity()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_reused_id_that_finishes_in_its_first_step_keeps_the_old_final(overlap):
+    """The aborted request's final and its successor's, due in the same step (the normal loop
+    finishes a one-token request in its prefill step), both go out."""
+    eng = make_engine(disable_overlap=not overlap)
+    eng.add_request("a", [1, 2, 3], GREEDY)
+    assert eng.abort("a")
+    eng.add_request("a", [4, 5, 6], dataclasses.replace(GREEDY, max_new_tokens=1))
+    finals = [(o.request_id, o.finish_reason, len(o.token_ids)) for o in eng.drain() if o.finished]
+    assert finals == [("a", "abort", 0), ("a", "length", 1)]
+    eng.check_integrity()
+
+
 def test_accept_length_of_plain_decoding_is_one_after_retractions():
     """A retracted request's re-prefill samples a token that no decode step gave it."""
     reqs = [(f"r{i}", [(7 * i + j) % 90 + 1 for j in range(30)], dataclasses.replace(GREEDY, max_new_tokens=40))

@@ -72,6 +72,22 @@ def test_abort_of_waiting_and_running():
     assert sched.pages.num_free + sched.prefix.num_pages == sched.pages.capacity
 
 
+def test_admission_leaves_room_for_two_decode_steps_of_growth():
+    """The overlap loop processes two decode steps (the one in flight and the next) between
+    admitting a request and the next top-up: every running row may have grown by two windows.
+    Admission keeps that many pages free, so the request it admits is not retracted right
+    after its prefill, before it produced a token (its prefill wasted). With one-token
+    pages, two steps of growth are two pages a row."""
+    for num_pages in range(41, 81):
+        sched, dev = make_scheduler(num_pages=num_pages, page_size=1, chunk=64, max_context=128, prefix=False)
+        wasted = []
+        retract = sched._retract
+        sched._retract = lambda r: (wasted.append(r.request_id) if not r.output_ids else None, retract(r))
+        done = drive(sched, dev, {0: [req(0, 8, 60), req(1, 8, 60)], 10: [req(2, 20, 10)]})
+        assert sorted(r.request_id for r in done) == ["r0", "r1", "r2"]
+        assert not wasted, f"{num_pages} pages: {wasted} retracted before its first token"
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     lens=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 6)), min_size=1, max_size=8),
