@@ -44,6 +44,8 @@ CPU_MAX_COMPILE_THREADS = 8
 # 16 were not measured.
 MAX_COMPILE_THREADS = 16
 
+_INT32_MAX = 2**31 - 1
+
 
 def default_compile_threads() -> int:
     try:
@@ -122,7 +124,9 @@ def _sampling_arrays(rows, num_rows: int):
     seed = np.zeros((num_rows,), np.uint32)
     for i, row in enumerate(rows):
         p = row.req.params
-        temperature[i], top_k[i], top_p[i], min_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.min_p, row.req.seed
+        # top_k has no upper bound (past the vocabulary it keeps everything): clamped to int32.
+        k = min(p.top_k, _INT32_MAX)
+        temperature[i], top_k[i], top_p[i], min_p[i], seed[i] = p.temperature, k, p.top_p, p.min_p, row.req.seed
     return temperature, top_k, top_p, min_p, seed
 
 
@@ -144,7 +148,8 @@ def _penalty_inputs(rows, R: int) -> PrefillPenaltyInputs:
         if p.min_new_tokens:  # Engine.check_request saw that the stop ids fit
             ids = sorted(req.stop_ids)
             stop_ids[i, : len(ids)] = ids
-            min_end[i] = len(req.prompt_ids) + p.min_new_tokens
+            # No bound on min_new_tokens either; no position reaches int32's limit.
+            min_end[i] = min(len(req.prompt_ids) + p.min_new_tokens, _INT32_MAX)
         if p.logit_bias:  # distinct ids, at most MAX_LOGIT_BIAS (SamplingParams), inside the vocabulary (Engine)
             ids, values = zip(*p.logit_bias)
             bias_ids[i, : len(ids)], bias_values[i, : len(ids)] = ids, values

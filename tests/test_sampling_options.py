@@ -179,6 +179,27 @@ def test_min_new_tokens_masks_stop_tokens(overlap):
     assert_drained(eng)
 
 
+def test_parameters_past_int32_run_as_their_largest_meaning():
+    """top_k and min_new_tokens have no upper bound: a top_k past the vocabulary keeps every
+    token, and a min_new_tokens past the context bans the stop tokens to its end. Past int32
+    they once made the prefill's launch fail, and with it the requests batched alongside."""
+    prompt = _prompt(2, 9)
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
+    huge = 2**31 - 1
+    cases = {"plain": SamplingParams(max_new_tokens=5, temperature=0.7, seed=3),
+             "top_k": SamplingParams(max_new_tokens=5, temperature=0.7, seed=3, top_k=huge + 1),
+             "min_new": SamplingParams(max_new_tokens=huge, min_new_tokens=huge, temperature=0.0,
+                                       stop_token_ids=[7]),
+             "greedy": greedy}
+    eng = make_engine(max_context_len=48)
+    finals = run_workload(eng, {0: [(rid, prompt, p) for rid, p in cases.items()]})
+    assert finals["top_k"].token_ids == finals["plain"].token_ids
+    assert finals["min_new"].finish_reason == "length" and 7 not in finals["min_new"].token_ids
+    assert len(prompt) + len(finals["min_new"].token_ids) == 48
+    assert finals["greedy"].token_ids == reference(prompt, greedy)
+    assert_drained(eng)
+
+
 def test_penalty_params_are_checked_and_refused_where_not_served():
     for bad in (dict(repetition_penalty=0.0), dict(repetition_penalty=float("nan")), dict(frequency_penalty=2.5),
                 dict(presence_penalty=-3.0), dict(presence_penalty="1"), dict(min_new_tokens=-1),
