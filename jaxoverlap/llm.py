@@ -228,11 +228,14 @@ class LLM:
 
     @property
     def prefix_token_id(self) -> int:
-        """The token a text's first token is conditioned on when it has no context: the
-        tokenizer's BOS, else the lowest EOS id (as lm-eval does)."""
+        """The token a text's first token is conditioned on when it has no context, as
+        lm-eval picks it: the tokenizer's BOS, else its EOS token; without either (or a
+        tokenizer), the lowest EOS id."""
         tok = self.engine.tokenizer
         if tok is not None and tok.bos_token_id is not None:
             return tok.bos_token_id
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            return tok.eos_token_id
         if not self.engine.eos_token_ids:
             raise InvalidRequestError("no BOS or EOS token to condition the first token on: pass prefix_token_id")
         return min(self.engine.eos_token_ids)

@@ -106,7 +106,9 @@ class ChatTemplate:
         `tools`). A malformed conversation, or one the template refuses, raises
         InvalidRequestError."""
         check_messages(messages)
-        variables = dict(self.special_tokens)
+        # transformers always passes tools and documents (None unless given): templates that
+        # test `tools is defined` render as they do there.
+        variables = dict(self.special_tokens, tools=None, documents=None)
         variables.update(template_kwargs)
         variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
         try:

@@ -89,6 +89,7 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        _refuse_unsupported(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
@@ -101,14 +102,14 @@ class ModelConfig:
             scaling = rope_params
         if scaling is not None:
             scaling = tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict))))
-        return cls(
+        config = cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,  # null means as many as queries
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
@@ -120,14 +121,46 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
         )
+        try:  # an unsupported RoPE scaling is refused at load, not at the first forward
+            config.rope_inv_freq()
+        except ValueError as e:
+            raise CheckpointError(f"{e}; supported: none, 'default' and 'llama3'") from None
+        return config
 
     @classmethod
     def from_path(cls, model_path: str) -> "ModelConfig":
+        """config.json's model; its EOS ids also take generation_config.json's (where
+        transformers' generate() looks first), so that a checkpoint without a tokenizer stops
+        on them too."""
         path = os.path.join(model_path, "config.json")
         cfg = read_json(path)
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{path} must hold a JSON object")
         try:
-            return cls.from_hf_dict(cfg)
+            config = cls.from_hf_dict(cfg)
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
+        gen_path = os.path.join(model_path, "generation_config.json")
+        gen = read_json(gen_path) if os.path.exists(gen_path) else {}
+        eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+        gen_eos = eos if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in gen_eos):
+            raise CheckpointError(f"{gen_path}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+        return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys((*gen_eos, *config.eos_token_ids))))
+
+
+def _refuse_unsupported(cfg: dict) -> None:
+    """config.json fields that change the model's math in ways this engine does not
+    implement: refused at load rather than served wrong."""
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise CheckpointError(f"quantized checkpoints are not supported (quantization_config: {method}); "
+                              "use the unquantized (bf16) model")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"hidden_act {act!r} is not supported; the MLP is SwiGLU (silu)")
+    layer_types = cfg.get("layer_types") or ()
+    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        raise CheckpointError("sliding-window attention (use_sliding_window / layer_types) is not supported; "
+                              "every layer attends to the whole context")

@@ -59,11 +59,14 @@ class Tokenizer:
         eos_token_ids: Iterable[int] = (),
         bos_token_id: int | None = None,
         chat_template: "ChatTemplate | None" = None,
+        eos_token_id: int | None = None,
     ):
         self._tok = hf_tokenizer
         self.chat_template = chat_template
+        # Every id that ends generation (generation_config's, the tokenizer's, config.json's).
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id  # the tokenizer's own EOS token (tokenizer_config.json)
 
     @classmethod
     def from_path(cls, model_path: str) -> "Tokenizer":
@@ -85,9 +88,12 @@ class Tokenizer:
         # generate() in transformers stops on generation_config's ids; chat models list
         # several there (e.g. <|im_end|> and <|endoftext|>), so take all of them.
         eos = _as_ids(gen.get("eos_token_id")) + special_id("eos_token") + _as_ids(mcfg.get("eos_token_id"))
-        bos = special_id("bos_token") or _as_ids(gen.get("bos_token_id")) or _as_ids(mcfg.get("bos_token_id"))
+        # BOS and the tokenizer's own EOS as transformers' tokenizer has them: from
+        # tokenizer_config.json alone (Qwen's has no BOS, while its generation_config names
+        # one), which is what lm-eval conditions a context-free text on.
+        bos, own_eos = special_id("bos_token"), special_id("eos_token")
         return cls(tok, eos_token_ids=eos, bos_token_id=bos[0] if bos else None,
-                   chat_template=ChatTemplate.from_path(model_path))
+                   chat_template=ChatTemplate.from_path(model_path), eos_token_id=own_eos[0] if own_eos else None)
 
     @property
     def vocab_size(self) -> int:

@@ -101,6 +101,19 @@ def test_renders_as_transformers_does(base, template, conversation, kwargs):
         assert "météo" in want_text  # tojson keeps non-ASCII text as it is
 
 
+DEFINED = ("{% if tools is defined %}T({{ tools }}){% else %}t{% endif %}"
+           "{% if documents is defined %}D{% else %}d{% endif %}{{ messages[0].content }}")
+
+
+def test_tools_and_documents_are_defined_as_in_transformers(base):
+    """transformers passes tools and documents as None when not given: `is defined` holds."""
+    ours = Tokenizer(base.hf_tokenizer, chat_template=ChatTemplate(DEFINED, SPECIALS))
+    hf = _hf_tokenizer(base, DEFINED)
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False,
+                                                                        add_generation_prompt=True) == "T(None)Dhi"
+
+
 def test_template_refusals_and_malformed_messages_are_invalid_requests(base):
     tok = Tokenizer(base.hf_tokenizer, chat_template=ChatTemplate(CHATML))
     with pytest.raises(InvalidRequestError, match="unknown role tool"):

@@ -270,3 +270,20 @@ def test_calls_may_interleave(llm):
     assert [r.token_ids for _, r in results] == [alone_b.token_ids]
     assert not llm._routes and not llm.engine.requests
     llm.engine.check_integrity()
+
+
+def test_prefix_token_id_is_the_one_lm_eval_picks(llm):
+    """BOS, else the tokenizer's own EOS token (not the lowest id that ends generation),
+    else the lowest EOS id."""
+    from jaxoverlap.models.tokenizer import Tokenizer
+
+    real = llm.engine.tokenizer
+    try:
+        llm.engine.tokenizer = Tokenizer(real.hf_tokenizer, eos_token_ids=[9, 0], eos_token_id=9)
+        assert llm.prefix_token_id == 9
+        llm.engine.tokenizer = Tokenizer(real.hf_tokenizer, eos_token_ids=[9, 0], eos_token_id=9, bos_token_id=4)
+        assert llm.prefix_token_id == 4
+        llm.engine.tokenizer = Tokenizer(real.hf_tokenizer, eos_token_ids=[9, 0])
+        assert llm.prefix_token_id == min(llm.engine.eos_token_ids)
+    finally:
+        llm.engine.tokenizer = real

@@ -224,6 +224,46 @@ def test_malformed_checkpoint_files_are_named(tmp_path):
         Tokenizer.from_path(str(tok))
 
 
+def test_configs_that_change_the_math_are_refused_at_load():
+    """What the engine does not implement is refused when the config is read, rather than
+    loaded and served with other math (or refused only at the first forward)."""
+    base = json.loads(open(os.path.join(default_model_path(), "config.json")).read())
+    assert ModelConfig.from_hf_dict(base).rope_scaling is None
+    refused = {
+        "quantized": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "fp8"),
+        "gelu": ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
+        "sliding": ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window"),
+        "layer types": ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
+        "yarn": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
+        "linear": ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, "'linear'"),
+    }
+    for name, (change, match) in refused.items():
+        with pytest.raises(CheckpointError, match=match):
+            ModelConfig.from_hf_dict({**base, **change})
+    # What transformers saves for these models loads: explicit silu, full attention everywhere,
+    # a window that is off, and a null KV head count (as many as the query heads).
+    fine = ModelConfig.from_hf_dict({**base, "hidden_act": "silu", "use_sliding_window": False, "sliding_window": 8,
+                                     "layer_types": ["full_attention"] * base["num_hidden_layers"],
+                                     "num_key_value_heads": None})
+    assert fine.num_kv_heads == fine.num_heads
+
+
+def test_eos_ids_of_generation_config_without_a_tokenizer(tmp_path):
+    """A checkpoint without tokenizer.json stops on generation_config.json's EOS ids too, as
+    transformers' generate() does."""
+    path = tmp_path / "no_tokenizer"
+    shutil.copytree(default_model_path(), path)
+    (path / "tokenizer.json").unlink()
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = 2
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    assert ModelConfig.from_path(str(path)).eos_token_ids == (7, 2)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "7"}))
+    with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id"):
+        ModelConfig.from_path(str(path))
+
+
 def test_llama3_rope_scaling_config(hf_checkpoint):
     """config.json written by transformers (rope_parameters) parses to llama3 scaling whose
     inverse frequencies equal the ones transformers computes."""

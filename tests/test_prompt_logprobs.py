@@ -158,7 +158,8 @@ def test_loglikelihood_rolling_scores_every_token_in_lm_evals_windows():
     rng = np.random.default_rng(7)
     short = [int(t) for t in rng.integers(3, vocab, size=20)]
     long = [int(t) for t in rng.integers(3, vocab, size=47)]
-    prefix = llm.tokenizer.bos_token_id if llm.tokenizer.bos_token_id is not None else min(llm.engine.eos_token_ids)
+    prefix = llm.tokenizer.bos_token_id if llm.tokenizer.bos_token_id is not None else llm.tokenizer.eos_token_id
+    assert prefix is not None and llm.prefix_token_id == prefix  # as lm-eval picks it
     got = llm.loglikelihood_rolling([short, long, "Once upon a time"], max_length=10)
     whole = llm.loglikelihood_rolling([short])  # one window (default max_length: the context less two)
     assert whole[0] == pytest.approx(llm.loglikelihood([([prefix], short)])[0][0], abs=1e-4)

@@ -114,6 +114,13 @@ def test_eos_and_bos_from_config_files(tmp_path):
     tok = Tokenizer.from_path(path)
     assert tok.eos_token_ids == (im_end, 0, 7)  # generation_config first, deduplicated
     assert tok.bos_token_id == im_start  # tokenizer_config wins over the id fields
+    assert tok.eos_token_id == im_end  # the tokenizer's own EOS token
+    # Qwen's layout: no BOS token in tokenizer_config, one id in generation_config. The
+    # tokenizer has no BOS then, as in transformers (lm-eval conditions on its EOS instead).
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "bos_token": None}, f)
+    tok = Tokenizer.from_path(path)
+    assert tok.bos_token_id is None and tok.eos_token_id == im_end
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_path(str(tmp_path / "nowhere"))
 
