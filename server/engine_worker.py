@@ -359,19 +359,12 @@ def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=Fa
     program compiled on first use stalls every stream for its compile (about 10 s for
     Qwen3-8B on the H200); `precompile_prefill` every
     prefill bucket too (one program per shape serves greedy and sampled rows). `warmup` (True,
-    or a number of new tokens) then runs one short request through the engine, so that the first
-    client does not pay for what is left. The request comes after the precompile: before it, its
-    prefill and decode programs compiled one after the other, outside the precompile's threads
-    (two launches that compiled at every start)."""
+    or a number of new tokens) runs one short request through the engine, so that the first
+    client does not pay for what is left."""
     if precompile == "auto":
         import jax
 
         precompile = jax.default_backend() == "gpu"
-    if precompile:
-        t = time.perf_counter()
-        n = len(engine.warmup(sampling=tuple(precompile_sampling), prefill=bool(precompile_prefill),
-                              top_logprobs=bool(precompile_top_logprobs)))
-        logger.info("compiled %d programs in %.1f s", n, time.perf_counter() - t)
     if warmup:
         from jaxoverlap.sampling_params import SamplingParams
 
@@ -381,6 +374,11 @@ def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=Fa
         deadline = time.monotonic() + 600
         while engine.has_work() and time.monotonic() < deadline:
             engine.step()
+    if precompile:
+        t = time.perf_counter()
+        n = len(engine.warmup(sampling=tuple(precompile_sampling), prefill=bool(precompile_prefill),
+                              top_logprobs=bool(precompile_top_logprobs)))
+        logger.info("compiled %d programs in %.1f s", n, time.perf_counter() - t)
 
 
 def _refuse(cmd, error: BaseException) -> None:

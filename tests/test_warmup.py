@@ -378,19 +378,3 @@ def test_programs_compile_on_one_thread_per_core_at_most_16(monkeypatch):
     for cores, want in ((2, 2), (16, 16), (64, 16)):
         monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
         assert runner.default_compile_threads() == want
-
-
-def test_server_warmup_request_runs_on_precompiled_programs():
-    """`jaxoverlap serve` (prepare_engine) precompiles first and then runs its warm-up request,
-    which then compiles nothing: no launch of the server's start pays a compile outside the
-    precompile's threads. Run the other way round, the request's prefill and decode compiled."""
-    from server.engine_worker import prepare_engine
-
-    opts = dict(batch_buckets=(2,), max_context_len=32, max_prefill_requests=1, chunked_prefill_size=16)
-    # A model shape no other test uses, so that jit's in-process cache holds none of its programs.
-    eng = make_engine(tiny_config(hidden_size=24, intermediate_size=48), **opts)
-    prepare_engine(eng, warmup=3, precompile=True, precompile_prefill=True, precompile_sampling=(False,))
-    loop = eng.stats()["loop"]
-    assert loop["prefill_iterations"] >= 1 and loop["decode_iterations"] >= 1  # the request ran
-    assert loop["compiling_launches"] == 0, loop
-    assert not eng.has_work() and "__warmup__" not in eng.requests
