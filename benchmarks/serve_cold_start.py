@@ -119,6 +119,7 @@ def main():
     ap.add_argument("--top-logprobs", action="store_true",
                     help="the server precompiles the top-logprobs programs and half the requests ask for them")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and small buckets (CPU smoke run)")
+    ap.add_argument("--keep-logs", default=None, help="copy each start's server log into this folder")
     ap.add_argument("--out", default="serve_cold_start.json")
     args = ap.parse_args()
     # Options not given take these defaults; --tiny's buckets are small because XLA:CPU runs
@@ -162,13 +163,20 @@ def main():
             finally:
                 stop_server(proc)
             with open(log_path) as log:
-                compiled = re.search(r"compiled (\d+) programs in ([\d.]+) s", log.read())
+                text = log.read()
+            compiled = re.search(r"compiled (\d+) programs in ([\d.]+) s", text)
+            if args.keep_logs:
+                os.makedirs(args.keep_logs, exist_ok=True)
+                shutil.copy(log_path, args.keep_logs)
             row = {"start": start, "cache_entries_before": entries_before, "ready_s": ready_s,
                    "precompiled_programs": int(compiled[1]) if compiled else None,
                    "precompile_s": float(compiled[2]) if compiled else None, **res,
                    "compiling_launches_at_start": before.get(COMPILING),
                    "compiling_launches_in_workload": after.get(COMPILING, 0) - before.get(COMPILING, 0),
-                   "compiling_launch_s_in_workload": after.get(COMPILING_S, 0) - before.get(COMPILING_S, 0)}
+                   "compiling_launch_s_in_workload": after.get(COMPILING_S, 0) - before.get(COMPILING_S, 0),
+                   # JAX's own lines, where JAX_DEBUG_LOG_MODULES=jax._src.compiler turns them on
+                   "persistent_cache_hits": text.count("Persistent compilation cache hit"),
+                   "persistent_cache_misses": text.count("PERSISTENT COMPILATION CACHE MISS")}
             rows.append(row)
             print_table([row], list(row))
             write_results(args.out, args, rows)
