@@ -9,13 +9,16 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
+import signal
+import threading
 from typing import Iterator, Sequence
 
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.engine import Engine
-from jaxoverlap.errors import InvalidRequestError
+from jaxoverlap.errors import EngineClosedError, InvalidRequestError
 from jaxoverlap.outputs import GenerationResult, RequestOutput
 from jaxoverlap.sampling_params import SamplingParams
 
@@ -33,6 +36,30 @@ class _Pending:
     params: SamplingParams  # n == 1
     prompt_index: int  # in the call's prompts
     sample_index: int  # 0 .. n-1 of SamplingParams.n
+
+
+@contextlib.contextmanager
+def _sigint_after_step():
+    """Ctrl-C (SIGINT) waits for the block to end: an engine step and the filing of its
+    outputs. Python raises KeyboardInterrupt between any two bytecodes, and one raised inside
+    a step can leave the runner holding buffers the step's program donated (every later
+    call fails), or drop a step's tokens for a paused stream. The signal is then handed to
+    the handler that was installed (KeyboardInterrupt by default). Only the main thread can
+    install handlers; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])
+            elif previous == signal.SIG_DFL:
+                raise KeyboardInterrupt
 
 
 class LLM:
@@ -111,15 +138,18 @@ class LLM:
         """The call's next outputs: those another call's steps filed for it, else the next
         steps' (the call queues more of its requests first)."""
         while not inbox:
+            if self.engine.closed:  # e.g. a stream resumed after close()
+                raise EngineClosedError("the engine is closed")
             self._feed(pending)
             if not self.engine.has_work():  # (never expected: the call's requests are lost)
                 raise RuntimeError("the engine is idle but this call's requests have not finished")
-            for out in self.engine.step():
-                box = self._routes.get(out.request_id)
-                if box is not None:  # not: a request given up, or one added to the engine directly
-                    box.append(out)
-                    if out.finished:
-                        del self._routes[out.request_id]
+            with _sigint_after_step():
+                for out in self.engine.step():
+                    box = self._routes.get(out.request_id)
+                    if box is not None:  # not: a request given up, or one added to the engine directly
+                        box.append(out)
+                        if out.finished:
+                            del self._routes[out.request_id]
         outs = list(inbox)
         inbox.clear()
         return outs

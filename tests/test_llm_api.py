@@ -287,3 +287,48 @@ def test_prefix_token_id_is_the_one_lm_eval_picks(llm):
         assert llm.prefix_token_id == min(llm.engine.eos_token_ids)
     finally:
         llm.engine.tokenizer = real
+
+
+def test_ctrl_c_inside_a_step_waits_for_the_step(llm, monkeypatch):
+    """A SIGINT that arrives while the engine runs a step (here: while its outputs are
+    unpacked, after the step's program took the donated state) interrupts the call only once
+    the step is over: the engine keeps working, and a stream paused meanwhile loses nothing."""
+    import os
+    import signal
+
+    from jaxoverlap import steps
+
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    want = llm.generate(["Hello"], params)[0].token_ids
+    stream = llm.generate_stream("Hello", params)
+    got = list(next(stream).new_token_ids)  # the stream pauses after its first delta
+    init, calls = steps.StepOutput.__init__, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at its next bytecode
+        return init(self, *args, **kwargs)
+
+    monkeypatch.setattr(steps.StepOutput, "__init__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Once upon a time"], params)
+    monkeypatch.setattr(steps.StepOutput, "__init__", init)
+    assert len(calls) >= 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert llm.generate(["Hello"], params)[0].token_ids == want
+    for out in stream:
+        got += out.new_token_ids
+    assert got == want
+    llm.engine.check_integrity()
+
+
+def test_a_stream_resumed_after_close_says_the_engine_is_closed():
+    from jaxoverlap.errors import EngineClosedError
+
+    llm = LLM(None, max_running_requests=2, max_context_len=64, kv_cache_tokens=512, page_size=8)
+    stream = llm.generate_stream("Hello", SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    next(stream)
+    llm.close()
+    with pytest.raises(EngineClosedError):
+        next(stream)
