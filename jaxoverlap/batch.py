@@ -95,6 +95,11 @@ def parse_request(line: str, line_number: int, defaults: SamplingParams, engine,
         raise BatchInputError(line_number, f"line {line_number} is not JSON: {e}") from None
     if not isinstance(obj, dict):
         raise BatchInputError(line_number, f"line {line_number} must be a JSON object, got {type(obj).__name__}")
+    try:  # "\ud800" is valid JSON, but no UTF-8 text: neither tokenized nor written back
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BatchInputError(line_number, f"line {line_number} holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                                           "escape), which is not text") from None
     request_id = obj.get("id", line_number)
     metadata = obj.get("metadata", _NO_METADATA)
 
@@ -148,11 +153,11 @@ def _read_done(output_path: str) -> tuple[list[str], set[tuple[str, int]]]:
     """The result lines of an earlier run worth keeping (those without an error), and their
     (id, sample index) pairs. A line cut short by an interrupted write is dropped."""
     keep, done = [], set()
-    with open(output_path, encoding="utf-8") as f:
-        for line in f:
+    with open(output_path, "rb") as f:  # line by line: a write cut inside a character spoils only its line
+        for raw in f:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
                 continue
             if isinstance(record, dict) and "id" in record and "error" not in record:
                 keep.append(json.dumps(record, ensure_ascii=False))

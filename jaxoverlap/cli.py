@@ -154,13 +154,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.exit(str(e))
     else:
         prompts = args.prompts
-    if args.stream:
-        for out in llm.generate_stream(prompts, params):
-            sys.stdout.write(out.new_text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        return 0
-    results = llm.generate(prompts, params)
+    from jaxoverlap.errors import InvalidRequestError
+
+    try:  # a prompt the engine refuses (empty, too long): its reason, not a traceback
+        if args.stream:
+            for out in llm.generate_stream(prompts, params):
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            return 0
+        results = llm.generate(prompts, params)
+    except InvalidRequestError as e:
+        sys.exit(str(e))
     for i, r in enumerate(results):
         prompt = args.prompts[i // params.n]  # results[n * p + k]: sample k of prompt p
         if args.json:

@@ -100,19 +100,23 @@ class ChatTemplate:
             source = named.get("default")
         return cls(source, specials) if isinstance(source, str) and source else None
 
-    def render(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+    def render(self, messages, /, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
         """The prompt text for `messages` (a list of {"role": ..., "content": ...}).
         `template_kwargs` reach the template as variables (e.g. Qwen3's `enable_thinking`,
         `tools`). A malformed conversation, or one the template refuses, raises
         InvalidRequestError."""
         check_messages(messages)
+        reserved = sorted({"messages", "add_generation_prompt"} & set(template_kwargs))
+        if reserved:
+            raise InvalidRequestError(f"chat template variables may not set {', '.join(reserved)}: "
+                                      "give the conversation and add_generation_prompt themselves")
         # transformers always passes tools and documents (None unless given): templates that
         # test `tools is defined` render as they do there.
         variables = dict(self.special_tokens, tools=None, documents=None)
         variables.update(template_kwargs)
         variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
         try:
-            return self._template.render(**variables)
+            return self._template.render(variables)  # a dict, not keywords: a variable may be called "self"
         except Exception as e:  # noqa: BLE001 - raise_exception(...), or messages the template cannot read
             raise InvalidRequestError(f"the chat template refused the messages: {type(e).__name__}: {e}") from e
 

@@ -30,6 +30,17 @@ _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+def _check_text(text) -> None:
+    """Why the tokenizer refused `text` (it raises a bare TypeError), as InvalidRequestError."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"text to tokenize must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                                  f"{e.start}") from None
+
+
 def _read_json(path: str) -> dict:
     return read_json(path) if os.path.exists(path) else {}
 
@@ -109,19 +120,31 @@ class Tokenizer:
         """Token ids of `text`. With add_special_tokens, the tokenizer's own post-processor
         decides what to add (Llama 3 prepends <|begin_of_text|>, Qwen adds nothing);
         nothing else is ever added."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_text(text)
+            raise
 
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        texts = list(texts)
+        try:
+            return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        except TypeError:
+            for text in texts:
+                _check_text(text)
+            raise
 
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+    # `messages` positional-only: a template variable may then be called "self" or "messages"
+    # (ChatTemplate.render refuses the latter with a clear error).
+    def apply_chat_template(self, messages, /, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
         """The prompt text of a conversation under the checkpoint's chat template
         (models/chat_template.py); InvalidRequestError if the model has none."""
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template: give a prompt, not messages")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
-    def encode_chat(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+    def encode_chat(self, messages, /, *, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         """Token ids of a conversation. The template writes any BOS itself, so none is added
         (as transformers' `apply_chat_template(tokenize=True)` does)."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)

@@ -10,6 +10,7 @@ import pytest
 
 from jaxoverlap import LLM, SamplingParams
 from jaxoverlap.batch import run_batch
+from jaxoverlap.errors import InvalidRequestError
 from jaxoverlap.models.chat_template import ChatTemplate
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -99,6 +100,44 @@ def test_a_line_that_is_not_utf8_gets_an_error_and_the_rest_run(llm, tmp_path):
     assert (summary.generated, summary.errors) == (2, 1)
     assert "line 2 is not UTF-8" in records[2]["error"]
     assert records["a"]["token_ids"] == expected(llm, {"prompt": "Once"}).token_ids and "token_ids" in records["c"]
+
+
+def test_lone_surrogates_and_reserved_template_variables_get_errors(llm, tmp_path):
+    """JSON may escape half a UTF-16 pair ("\\ud800"): no text, so neither tokenized nor
+    written back. Template variables that would replace the conversation are refused. Each is
+    the line's error; the other lines run."""
+    tokenizer = llm.engine.tokenizer
+    tokenizer.chat_template = ChatTemplate(CHATML)
+    try:
+        lines = ['{"id": "p", "prompt": "Hi \\ud800 there"}', '{"id": "i\\udfff", "prompt": "Hi"}',
+                 '{"id": "m", "prompt": "Hi", "metadata": {"k": "\\ud83d"}}',
+                 {"id": "kw", "messages": [{"role": "user", "content": "A fox"}],
+                  "chat_template_kwargs": {"messages": []}},
+                 {"id": "self", "messages": [{"role": "user", "content": "A fox"}], "chat_template_kwargs": {"self": 1}},
+                 {"id": "ok", "prompt": "Once"}]
+        out = str(tmp_path / "out.jsonl")
+        summary = run_batch(llm, write_lines(tmp_path / "in.jsonl", lines), out, DEFAULTS, progress=False)
+        records = {r["id"]: r for r in read_records(out)}
+        assert (summary.generated, summary.errors) == (2, 4)
+        for line_number in (1, 2, 3):
+            assert "lone surrogate" in records[line_number]["error"]
+        assert "may not set messages" in records["kw"]["error"]
+        assert "token_ids" in records["self"] and "token_ids" in records["ok"]  # "self" is just a variable
+    finally:
+        tokenizer.chat_template = None
+    with pytest.raises(InvalidRequestError, match="lone surrogate"):
+        llm.generate("Hi \ud800")
+
+
+def test_resume_drops_a_last_line_cut_inside_a_character(llm, tmp_path):
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Once"}, {"id": "b", "prompt": "The dog"}])
+    out = tmp_path / "out.jsonl"
+    run_batch(llm, inp, str(out), DEFAULTS, progress=False)
+    [first, _] = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(first + '{"id": "b", "text": "café'.encode()[:-1])  # cut inside "é"
+    summary = run_batch(llm, inp, str(out), DEFAULTS, progress=False, resume=True)
+    assert (summary.done_before, summary.generated) == (1, 1)
+    assert sorted(r["id"] for r in read_records(out)) == ["a", "b"]
 
 
 def test_an_interrupted_run_resumes_to_each_id_once_with_the_same_tokens(llm, tmp_path):
@@ -237,6 +276,16 @@ def test_cli_mistakes_are_refused_before_the_model_loads(tmp_path):
     ]:
         with pytest.raises(SystemExit, match=message):
             main(args + nowhere)
+
+
+def test_cli_generate_says_why_a_prompt_is_refused():
+    from jaxoverlap.cli import main
+
+    engine = ["--max-running-requests", "2", "--max-context-len", "64", "--kv-cache-tokens", "256", "--page-size", "8"]
+    with pytest.raises(SystemExit, match="empty"):
+        main(["generate", "", *engine])
+    with pytest.raises(SystemExit, match="prompt has"):
+        main(["generate", "word " * 80, "--stream", *engine])
 
 
 def test_cli_chat_needs_a_tokenizer(tmp_path):
