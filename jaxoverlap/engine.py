@@ -294,10 +294,16 @@ class Engine:
             self.mesh = parallel.make_mesh(config.tensor_parallel_size)
             # Weights passed in by the caller may be in the one-device layout: converted here.
             params = parallel.shard_params(params, self.mesh, mc)
-            state = parallel.shard_state(state, self.mesh)
+        attention = self._attention_fn()  # None: the XLA gather path
+        state_sharding = None
+        if self.mesh is not None:
+            # The layouts the steps' computations give these arrays (parallel.py's table).
+            state = parallel.shard_state(
+                state, self.mesh, vocab_split=params.lm_head is not None and mc.vocab_size % self.mesh.size == 0,
+                draft_heads_split=attention is not None)
+            state_sharding = parallel.StateSharding(state)
             if self.drafter is not None:
                 self.drafter.params = parallel.replicate(self.drafter.params, self.mesh)
-        attention = self._attention_fn()  # None: the XLA gather path
         self.runner = ModelRunner(
             params, mc, state, page_size=ps, max_running=config.max_running_requests,
             prefill_shapes=self.scheduler.cfg.prefill_shapes,
@@ -306,6 +312,7 @@ class Engine:
             draft_max_rows=config.speculative_disable_by_batch_size,
             reserve_slack=self.scheduler.cfg.reserve_slack,
             decode_inputs=config.decode_inputs,
+            state_sharding=state_sharding,
             # Only where XLA records CUDA graphs (GPU). The copy is loaded on one device: a
             # sharded program keeps its one executable.
             alternate_executables=(config.alternate_decode_executables and self.mesh is None

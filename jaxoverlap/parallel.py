@@ -10,7 +10,15 @@ relay and the table are small and replicated, so every device reads its own copy
 | lm_head `[D, V]` | output axis over "tp" (column parallel) |
 | wo, w_down | input axis over "tp" (row parallel; XLA all-reduces the output) |
 | k_cache, v_cache `[L, S, KVH, HD]` | KV heads over "tp" |
-| everything else (drafter weights and caches too) | replicated (placed so; with the Pallas path XLA may hand a step's drafter cache back sharded on its heads) |
+| draft_k_cache, draft_v_cache `[Ld, S, KVHd, HDd]` | with the Pallas kernels (under shard_map, split on heads): KV heads over "tp"; else replicated |
+| penalty history `[E, V]` | with lm_head split: the vocabulary over "tp", as the logits it meets; else replicated |
+| everything else (drafter weights too) | replicated |
+
+Every step returns the state in the layout it came in (`StateSharding`, steps.keep_layout):
+left alone, XLA may hand an array back split as the computation that wrote it (the history
+as the logits, a drafter cache as shard_map's heads), and then a program compiled ahead for
+the first layout refuses the next call's state. The layouts above are the ones those
+computations produce, so that keeping them moves no data.
 
 wqkv (and bqkv) and w_gate_up store their fused output axis as one contiguous block per
 device, [q | k | v heads of that device] and [gate | up columns of that device]
@@ -93,10 +101,31 @@ def replicate(tree, mesh: Mesh):
     return jax.tree.map(lambda x: _put(x, mesh, None), tree)
 
 
-def shard_state(state, mesh: Mesh):
-    """KV heads of the target's cache over "tp"; the relay, table and drafter state replicated."""
+def shard_state(state, mesh: Mesh, *, vocab_split: bool = False, draft_heads_split: bool = False):
+    """KV heads of the target's cache over "tp"; with `draft_heads_split` the drafter's cache
+    too, with `vocab_split` the penalty history's vocabulary; the rest replicated (the
+    module's table)."""
     state = replicate(state, mesh)
-    return dataclasses.replace(state, k_cache=_put(state.k_cache, mesh, 2), v_cache=_put(state.v_cache, mesh, 2))
+    state = dataclasses.replace(state, k_cache=_put(state.k_cache, mesh, 2), v_cache=_put(state.v_cache, mesh, 2))
+    if draft_heads_split and state.draft_k_cache is not None:
+        state = dataclasses.replace(state, draft_k_cache=_put(state.draft_k_cache, mesh, 2),
+                                    draft_v_cache=_put(state.draft_v_cache, mesh, 2))
+    if vocab_split and state.penalty is not None:
+        state = dataclasses.replace(state, penalty=dataclasses.replace(
+            state.penalty, history=_put(state.penalty.history, mesh, 1)))
+    return state
+
+
+class StateSharding:
+    """The layout of a device state placed by `shard_state`: called inside a step on the
+    state it returns, it constrains every array to its layout. The steps take it as a static
+    argument, compared by identity: one per engine."""
+
+    def __init__(self, state):
+        self.shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    def __call__(self, state):
+        return jax.lax.with_sharding_constraint(state, self.shardings)
 
 
 # ----------------------------------------------------------------------------------------

@@ -232,6 +232,7 @@ class ModelRunner:
         alternate_executables: bool = True,
         reserve_slack: int = 0,
         decode_inputs: str = "every_step",
+        state_sharding=None,
     ):
         self.params = params
         self.drafter = drafter  # speculative.setup.Drafter or None
@@ -248,6 +249,9 @@ class ModelRunner:
         self.page_size = page_size
         self.table_width = table_width
         self.attention = attention or steps.xla_paged_attention
+        # Under tensor parallelism every step returns the state in the layout it came in
+        # (steps.keep_layout); a static argument, left out otherwise.
+        self._layout_static = {} if state_sharding is None else {"state_sharding": state_sharding}
         self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else powers_of_two_up_to(max_running)
         if self.batch_buckets[-1] < max_running:
             self.batch_buckets += (max_running,)
@@ -471,7 +475,7 @@ class ModelRunner:
         `precompile` both build their call here, so that they meet in one jit cache entry.
         `top`: the variant that returns top logprobs."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
-                      sampling=sampling, **({"top_logprobs": True} if top else {}))
+                      sampling=sampling, **({"top_logprobs": True} if top else {}), **self._layout_static)
         if self.spec is None:
             return steps.decode_step, (self.params, self.state, inputs), static
         from jaxoverlap.speculative.step import spec_decode_step
@@ -673,7 +677,8 @@ class ModelRunner:
         programs leaves nothing for a sampled request to compile (a greedy twin per shape
         would double the prefill programs, about 10 s each cold for Qwen3-8B)."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
-                      sampling=True, sampled_rows=self.prefill_shapes.sampled_rows(inp.tokens.shape[0]))
+                      sampling=True, sampled_rows=self.prefill_shapes.sampled_rows(inp.tokens.shape[0]),
+                      **self._layout_static)
         if self.spec is None:
             return steps.prefill_step, (self.params, self.state, inp, res), static
         from jaxoverlap.speculative.step import spec_prefill_step

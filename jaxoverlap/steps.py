@@ -182,6 +182,14 @@ def apply_reservations(req_to_token: jax.Array, res: Reservations, page_size: in
     return req_to_token.at[rows, cols].set(slots, mode="drop")
 
 
+def keep_layout(state: DeviceState, state_sharding) -> DeviceState:
+    """Under tensor parallelism (`state_sharding`: parallel.StateSharding), the state a step
+    returns keeps the layout it came in: otherwise XLA may hand an array back split
+    differently (the penalty history like the vocabulary-split logits, a drafter cache like
+    shard_map's heads), and a program compiled ahead for the first layout refuses it."""
+    return state if state_sharding is None else state_sharding(state)
+
+
 def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay:
     # Padded rows (entry 0) write nothing, so entry 0 keeps length 0 and padded rows keep
     # reading position 0 of the dummy row.
@@ -194,7 +202,7 @@ def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling", "top_logprobs"),
+    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling", "top_logprobs", "state_sharding"),
     donate_argnames=("state",),
 )
 def decode_step(
@@ -208,6 +216,7 @@ def decode_step(
     attention=xla_paged_attention,
     sampling: bool = True,
     top_logprobs: bool = False,
+    state_sharding=None,
 ):
     """One plain decoding step for B rows: one token per row, everything read from the relay.
     `top_logprobs` (static): also return each row's TOP_LOGPROBS most likely tokens."""
@@ -239,6 +248,7 @@ def decode_step(
     relay = _write_relay(relay, entries, lens + 1, next_tokens)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 penalty=penalty)
+    state = keep_layout(state, state_sharding)
     return state, StepOutput.of(next_tokens, logprobs, top_logprobs_of(logits) if top_logprobs else None)
 
 
@@ -337,7 +347,7 @@ def sample_after_chunks(params: ModelParams, last_hidden, entries, starts, kv_le
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling", "sampled_rows"),
+    static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling", "sampled_rows", "state_sharding"),
     donate_argnames=("state",),
 )
 def prefill_step(
@@ -352,6 +362,7 @@ def prefill_step(
     attention=xla_paged_attention,
     sampling: bool = True,
     sampled_rows: int | None = None,
+    state_sharding=None,
 ):
     """One chunk of prompt for each of R rows, over the cached prefix of each row.
 
@@ -392,6 +403,7 @@ def prefill_step(
     )
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 penalty=penalty)
+    state = keep_layout(state, state_sharding)
     if inp.targets is not None:  # a row asked for its prompt's logprobs (a program of its own)
         return state, PromptLogprobOutput.of(next_tokens, logprobs, *token_logprobs(params, hidden, inp.targets), top)
     return state, StepOutput.of(next_tokens, logprobs, top)

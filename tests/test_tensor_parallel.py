@@ -58,6 +58,12 @@ def test_tp_greedy_matches_single_device():
         assert got["tokens"] == out["None-1"]["tokens"], f"Pallas {algo} TP=2 differs from TP=1"
     assert out["pallas-None-2"]["fused_decode_traced"] > 0, "plain decoding under TP=2 did not use the fused kernel"
     assert out["fallback_attention_error"] < 1e-4, "replicated Pallas attention (KVH < TP) is wrong"
+    # After a warm-up, with the penalty history split like the logits and the drafter's cache
+    # like shard_map's heads: the compiled programs take every step's state, same tokens.
+    assert "tp" in out["vocab-split-2"]["history_spec"] and "tp" not in out["vocab-split-1"]["history_spec"]
+    assert out["vocab-split-2"]["tokens"] == out["vocab-split-1"]["tokens"]
+    assert "tp" in out["pallas-eagle-warm-2"]["draft_spec"]
+    assert out["pallas-eagle-warm-2"]["tokens"] == out["None-1"]["tokens"]
     one, two = out["prompt-logprobs-1"], out["prompt-logprobs-2"]
     assert len(one["logprobs"]) == 36 and one["top1"] == two["top1"]
     assert len(one["penalized"]) == 16 and one["penalized"] == two["penalized"]

@@ -3,6 +3,7 @@ of the same workload at TP=1, 2 and 4, plain and with one drafter, with the XLA 
 path and (TP=2) the Pallas kernels in interpret mode under shard_map, plus the collectives
 of a compiled TP=2 forward; printed as JSON."""
 import collections
+import dataclasses
 import functools
 import json
 import os
@@ -166,6 +167,27 @@ def main():
         out[f"prompt-logprobs-{tp}"] = {"logprobs": finals["s"].prompt_logprobs[1:], "top1": finals["s"].prompt_top1[1:],
                                         "penalized": finals["p"].token_ids, "top": top}
     seconds["prompt-logprobs"] = round(time.perf_counter() - t0, 1)
+    # Layouts kept across steps (parallel.StateSharding): an untied LM head over a vocabulary
+    # the mesh divides splits the logits and with them the penalty history; the Pallas
+    # kernels under shard_map split the drafter's cache on heads. Programs compiled by a
+    # warm-up must still take the state each step hands back.
+    t0 = time.perf_counter()
+    vcfg = dataclasses.replace(cfg, vocab_size=128)
+    mixed = {0: [("g", prompt[:9], params), ("p", prompt, dataclasses.replace(penalized, top_logprobs=0))],
+             2: [("g2", prompt[3:20], params)]}
+    for tp in (1, 2):
+        eng = make_engine(vcfg, tensor_parallel_size=tp, **xla)
+        if tp == 2:
+            eng.warmup(sampling=(False, True), prefill=True)
+        finals = run_workload(eng, mixed)
+        out[f"vocab-split-{tp}"] = {"tokens": {k: v.token_ids for k, v in sorted(finals.items())},
+                                    "history_spec": str(getattr(eng.runner.state.penalty.history.sharding, "spec", ""))}
+    eng = make_engine(cfg, tensor_parallel_size=2, speculative_algorithm="eagle", **pallas)
+    eng.warmup()
+    finals = run_workload(eng, at_once)
+    out["pallas-eagle-warm-2"] = {"tokens": {k: v.token_ids for k, v in sorted(finals.items())},
+                                  "draft_spec": str(eng.runner.state.draft_k_cache.sharding.spec)}
+    seconds["layouts"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     out["fallback_attention_error"] = fallback_attention_error()
     seconds["fallback"] = round(time.perf_counter() - t0, 1)

@@ -42,6 +42,7 @@ from jaxoverlap.steps import (
     StepOutput,
     apply_reservations,
     float_bits,
+    keep_layout,
     pack_for_host,
     sample_after_chunks,
     token_logprobs,
@@ -146,7 +147,8 @@ def _set(relay: Relay, entries, **fields) -> Relay:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling", "top_logprobs"),
+    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling", "top_logprobs",
+                     "state_sharding"),
     donate_argnames=("state",),
 )
 def spec_decode_step(
@@ -163,6 +165,7 @@ def spec_decode_step(
     attention=xla_paged_attention,
     sampling: bool = True,
     top_logprobs: bool = False,
+    state_sharding=None,
 ):
     """One speculative step for B rows, everything but the host n-gram drafts read from
     the relay. Returns (state, SpecStepOutput). `spec.num_draft == 0` is the paused step:
@@ -248,6 +251,7 @@ def spec_decode_step(
     relay = _set(relay, entries, **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
+    state = keep_layout(state, state_sharding)
     top = None
     if top_logprobs:
         ids, values = top_logprobs_of(logits.reshape(B * W, -1))  # [B, W, V] -> [B * W, V]
@@ -257,7 +261,8 @@ def spec_decode_step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling", "sampled_rows"),
+    static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling", "sampled_rows",
+                     "state_sharding"),
     donate_argnames=("state",),
 )
 def spec_prefill_step(
@@ -274,6 +279,7 @@ def spec_prefill_step(
     attention=xla_paged_attention,
     sampling: bool = True,
     sampled_rows: int | None = None,
+    state_sharding=None,
 ):
     """A prompt chunk per row through the target, then through the drafter so that the
     first speculative step finds the drafter's state for the whole prompt. `sampled_rows`
@@ -319,6 +325,7 @@ def spec_prefill_step(
     relay = _set(state.relay, last_segments(inp.entries, inp.starts), seq_lens=kv_lens, **stash)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
                                 draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
+    state = keep_layout(state, state_sharding)
     if inp.targets is not None:  # a row asked for its prompt's logprobs (a program of its own)
         return state, PromptLogprobOutput.of(next_tokens, logprobs, *token_logprobs(params, hidden[:, 1:], inp.targets),
                                              top)
