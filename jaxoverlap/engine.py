@@ -115,18 +115,29 @@ class LoopTotals:
     # launch seconds: what the warm-up left for requests to wait for.
     compiling_launches: int = 0
     compiling_launch_s: float = 0.0
+    # Over the iterations that launched a decode step only (per decode step figures, as
+    # `jaxoverlap bench` reports them): host seconds (prepare + launch + process), seconds
+    # blocked on the device, and host-bound iterations.
+    decode_host_s: float = 0.0
+    decode_wait_s: float = 0.0
+    decode_host_bound_iterations: int = 0
 
     def add(self, t: "StepTiming", overlap: bool) -> None:
         if t.kind == "prefill":
             self.prefill_iterations += 1
         elif t.kind == "decode":
             self.decode_iterations += 1
+        # The host n-gram drafter's wait and processing before its launch count too.
         self.prepare_s += t.prepare_s
         self.launch_s += t.launch_s
-        self.process_s += t.process_s
-        self.wait_s += t.wait_s
-        if overlap and t.kind and (t.fresh_wait_s > 0 or t.found_done):
-            self.host_bound_iterations += 1
+        self.process_s += t.all_process_s
+        self.wait_s += t.all_wait_s
+        host_bound = overlap and bool(t.kind) and (t.fresh_wait_s > 0 or t.found_done)
+        self.host_bound_iterations += host_bound
+        if t.kind == "decode":
+            self.decode_host_s += t.prepare_s + t.launch_s + t.all_process_s
+            self.decode_wait_s += t.all_wait_s
+            self.decode_host_bound_iterations += host_bound
         if t.compiled:
             self.compiling_launches += 1
             self.compiling_launch_s += t.launch_s
@@ -624,13 +635,16 @@ class Engine:
         s = self.scheduler
         free_tokens = s.pages.num_free * self.config.page_size
         cached_tokens = s.prefix.num_pages * self.config.page_size
+        # Pages only the prefix cache holds are free to evict whenever a request needs them:
+        # not "in use" (as SGLang and vLLM count them), though still cached.
+        used_tokens = self.kv_cache_tokens - free_tokens - s.prefix.num_evictable * self.config.page_size
         return {
             "num_running": len(s.running) + (1 if s.prefilling is not None else 0),
             "num_waiting": len(s.waiting),
             "kv_total_tokens": self.kv_cache_tokens,
-            "kv_used_tokens": self.kv_cache_tokens - free_tokens,
-            "kv_cached_tokens": cached_tokens,
-            "kv_usage": 1.0 - free_tokens / self.kv_cache_tokens,
+            "kv_used_tokens": used_tokens,  # held by requests
+            "kv_cached_tokens": cached_tokens,  # in the prefix cache (some also held by requests)
+            "kv_usage": used_tokens / self.kv_cache_tokens,
             "tokens_generated": self.tokens_generated,
             "num_retractions": s.num_retractions,
             "num_steps": len(self.timings),

@@ -203,7 +203,7 @@ async def _one_request(client: AsyncGenerationClient, req: BenchRequest, samplin
                 if first:
                     r.ttft = now - r.start
                     first = False
-                else:
+                else:  # one gap per streamed chunk, whatever its tokens (vLLM's ITL; TPOT is per token)
                     r.itl.append(now - last)
                 last = now
             else:
@@ -287,7 +287,8 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict:
     }
 
 
-_LOOP_KEYS = ("decode_iterations", "prepare_s", "launch_s", "process_s", "wait_s", "host_bound_iterations")
+_LOOP_KEYS = ("decode_iterations", "decode_host_s", "decode_wait_s", "decode_host_bound_iterations",
+              "compiling_launches")
 
 
 async def _loop_totals(client) -> dict | None:
@@ -300,17 +301,20 @@ async def _loop_totals(client) -> dict | None:
 
 
 def engine_summary(delta: dict | None) -> dict | None:
-    """Per decode iteration of the server's engine loop over the timed runs: the host's time
-    (prepare + launch + process), the wait for the device, and the share of iterations that
-    found the previous step already done (the device may have waited for the host). Counts
-    every client's traffic, so it is this run's only while nothing else uses the server."""
+    """Per decode iteration of the server's engine loop over the timed runs (iterations that
+    launched a prefill are left out): the host's time (prepare + launch + process), the wait
+    for the device, and the share of iterations that found the previous step already done
+    (the device may have waited for the host); and the launches that compiled a program
+    meanwhile (all kinds: what the server's warm-up left to the timed runs). Counts every
+    client's traffic, so it is this run's only while nothing else uses the server."""
     if not delta or delta["decode_iterations"] <= 0:
         return None
     n = delta["decode_iterations"]
     return {"decode_iterations": n,
-            "host_ms_per_decode": 1e3 * (delta["prepare_s"] + delta["launch_s"] + delta["process_s"]) / n,
-            "wait_ms_per_decode": 1e3 * delta["wait_s"] / n,
-            "host_bound_share": delta["host_bound_iterations"] / n}
+            "host_ms_per_decode": 1e3 * delta["decode_host_s"] / n,
+            "wait_ms_per_decode": 1e3 * delta["decode_wait_s"] / n,
+            "host_bound_share": delta["decode_host_bound_iterations"] / n,
+            "compiling_launches": delta.get("compiling_launches", 0)}
 
 
 # ---- reporting ----------------------------------------------------------------------------------
@@ -326,7 +330,7 @@ _ROWS = [
     ("Total token throughput (tok/s)", "total_token_throughput", "{:.2f}"),
     ("Concurrency", "concurrency", "{:.2f}"),
 ]
-_DIST_ROWS = [("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL (ms)", "itl_ms"),
+_DIST_ROWS = [("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL per chunk (ms)", "itl_ms"),
               ("E2E latency (ms)", "e2e_latency_ms"), ("Accept length", "accept_length")]
 # Whether a larger value is better, for the comparison column.
 _HIGHER_IS_BETTER = {"request_throughput", "output_throughput", "total_token_throughput", "completed", "accept_length"}
@@ -334,7 +338,8 @@ _HIGHER_IS_BETTER = {"request_throughput", "output_throughput", "total_token_thr
 
 _ENGINE_ROWS = [("Engine host time per decode step (ms)", "host_ms_per_decode"),
                 ("Engine device wait per decode step (ms)", "wait_ms_per_decode"),
-                ("Engine host-bound decode steps (share)", "host_bound_share")]
+                ("Engine host-bound decode steps (share)", "host_bound_share"),
+                ("Engine launches that compiled", "compiling_launches")]
 
 
 def _flat_rows(summary: dict, engine_rows: bool = True) -> list[tuple[str, str, float]]:

@@ -37,7 +37,9 @@ class _EngineCollector:
         return {
             "queue": GaugeMetricFamily("jaxoverlap_queue_depth", "Requests waiting for a slot in the engine"),
             "running": GaugeMetricFamily("jaxoverlap_running_requests", "Requests running in the engine"),
-            "kv_used": GaugeMetricFamily("jaxoverlap_kv_cache_used_tokens", "KV-cache tokens in use"),
+            "kv_used": GaugeMetricFamily("jaxoverlap_kv_cache_used_tokens",
+                                         "KV-cache tokens held by requests (not those only the prefix cache keeps)"),
+            "kv_cached": GaugeMetricFamily("jaxoverlap_kv_cache_cached_tokens", "KV-cache tokens in the prefix cache"),
             "kv_total": GaugeMetricFamily("jaxoverlap_kv_cache_total_tokens", "KV-cache capacity in tokens"),
             "kv_usage": GaugeMetricFamily("jaxoverlap_kv_cache_usage_ratio", "KV-cache tokens in use / capacity"),
             "streams": GaugeMetricFamily("jaxoverlap_active_streams", "Generate calls in flight on the server"),
@@ -78,6 +80,7 @@ class _EngineCollector:
         fams["running"].add_metric([], stats.get("num_running", 0))
         fams["kv_used"].add_metric([], used)
         fams["kv_total"].add_metric([], total)
+        fams["kv_cached"].add_metric([], stats.get("kv_cached_tokens", 0))
         fams["kv_usage"].add_metric([], used / total if total else 0.0)
         fams["up"].add_metric([], 1)
         loop = stats.get("loop")

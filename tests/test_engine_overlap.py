@@ -1,4 +1,6 @@
 """The engine on a tiny model: overlap vs normal loop, retraction, prefix sharing, leaks."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,7 +198,9 @@ def test_loop_totals_count_a_host_bound_iteration_only_under_overlap():
     totals.add(timing(fresh=0.004), overlap=True)  # host n-gram: processed before the launch
     assert totals.host_bound_iterations == 2
     assert totals.decode_iterations == 4 and totals.prefill_iterations == 0
-    assert totals.wait_s == pytest.approx(5 * 0.003)
+    assert totals.wait_s == pytest.approx(5 * 0.003 + 0.004)  # the early wait before a launch too
+    assert totals.decode_wait_s == pytest.approx(4 * 0.003 + 0.004)  # the drain iteration is no decode step
+    assert totals.decode_host_bound_iterations == 2
 
 
 def test_samples_of_one_prompt_share_its_prefill_and_match_the_dense_reference():
@@ -225,3 +229,37 @@ def test_samples_of_one_prompt_share_its_prefill_and_match_the_dense_reference()
         padded[: len(seq)] = seq
         seq.append(int(greedy_step(padded, len(seq))))
     assert finals["g"].token_ids == seq[len(prompt):]
+
+
+def test_loop_totals_per_decode_step_leave_prefills_out_and_count_the_early_wait():
+    """LoopTotals.decode_*: sums over the decode iterations only (what `jaxoverlap bench`
+    divides by the decode steps); every wait and processing counted, the host n-gram
+    drafter's before its launch too."""
+    eng = make_engine(speculative_algorithm="ngram", max_context_len=128)
+    prompt = [5, 6, 7, 8] * 6  # repeats: the n-gram drafter proposes
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    run_workload(eng, {0: [(f"r{i}", prompt[i:], params) for i in range(3)], 4: [("late", prompt, params)]})
+    loop, timings = eng.stats()["loop"], list(eng.timings)
+    decode = [t for t in timings if t.kind == "decode"]
+    assert loop["decode_iterations"] == len(decode) and any(t.kind == "prefill" for t in timings)
+    assert any(t.fresh_wait_s > 0 for t in decode), "no early wait: the check cannot fail"
+    assert loop["decode_host_s"] == pytest.approx(sum(t.prepare_s + t.launch_s + t.all_process_s for t in decode))
+    assert loop["decode_wait_s"] == pytest.approx(sum(t.all_wait_s for t in decode))
+    assert loop["wait_s"] == pytest.approx(sum(t.all_wait_s for t in timings))
+    assert loop["process_s"] == pytest.approx(sum(t.all_process_s for t in timings))
+    assert loop["decode_host_s"] < loop["prepare_s"] + loop["launch_s"] + loop["process_s"]  # prefills left out
+
+
+def test_kv_usage_counts_what_requests_hold_not_the_prefix_cache():
+    eng = make_engine(max_context_len=128)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    run_workload(eng, {0: [(f"r{i}", [(3 * i + j) % 90 + 1 for j in range(40)], params) for i in range(4)]})
+    idle = eng.stats()
+    assert idle["kv_cached_tokens"] > 0 and idle["kv_used_tokens"] == 0 and idle["kv_usage"] == 0.0
+    eng.add_request("busy", list(range(1, 41)), dataclasses.replace(params, max_new_tokens=50))
+    eng.step()
+    eng.step()
+    busy = eng.stats()
+    assert busy["kv_used_tokens"] >= 40 and busy["kv_usage"] == busy["kv_used_tokens"] / busy["kv_total_tokens"]
+    eng.abort("busy")
+    eng.drain()

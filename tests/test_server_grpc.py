@@ -558,6 +558,7 @@ def test_bench_reports_the_servers_engine_loop(env):
     assert engine["decode_iterations"] >= 5  # 6 tokens per request: 5+ decode steps each, batched
     assert engine["host_ms_per_decode"] > 0 and engine["wait_ms_per_decode"] > 0
     assert 0 <= engine["host_bound_share"] <= 1
+    assert engine["compiling_launches"] >= 0
     assert "Engine host time per decode step (ms)" in bench.format_table(report["results"])
 
 
