@@ -17,9 +17,10 @@ from jaxoverlap.models import eagle as eagle_models
 from jaxoverlap.sampling_params import SamplingParams
 
 # One cache size for every engine here: the cache's shape is part of each compiled program.
-# 120 tokens (30 pages of 4) forces retraction for the workloads below.
+# 80 tokens (20 pages of 4) forces retraction for the workloads below, in every drafter and both loops
+# (admission keeps room for two decode steps of growth, so a larger cache may not).
 OPTS = dict(max_running_requests=4, batch_buckets=(4,), max_prefill_requests=2, chunked_prefill_size=16,
-            max_context_len=64, kv_cache_tokens=120)
+            max_context_len=64, kv_cache_tokens=80)
 DRAFTERS = ["eagle", "draft_model", "draft_is_target", "ngram", "ngram_device"]
 
 
