@@ -5,6 +5,8 @@ import dataclasses
 
 SPECULATIVE_ALGORITHMS = (None, "eagle", "draft_model", "ngram", "ngram_device")
 DECODE_INPUTS = ("every_step", "on_change")
+# The longest n-gram the n-gram drafters may match (speculative_ngram_max_match_window_size).
+MAX_NGRAM_MATCH = 32
 # Default rows of a prefill step: one per this many tokens of the chunk budget (2048 -> 64),
 # the prefill attention kernel's query tile, so that a finer row adds no attention work.
 # On an H100 (2026-12-06), 64 rows against 8 prefilled 8-16 prompts arriving together
@@ -141,6 +143,17 @@ class EngineConfig:
         limit = self.speculative_disable_by_batch_size
         if limit is not None and limit < 1:
             raise ValueError(f"speculative_disable_by_batch_size must be >= 1 or None, got {limit}")
+        draft_path, head_path = self.speculative_draft_model_path, self.speculative_eagle_head_path
+        if algo == "eagle" and draft_path and not head_path:
+            # SGLang names an EAGLE head with --speculative-draft-model-path: the same here.
+            object.__setattr__(self, "speculative_eagle_head_path", draft_path)
+            object.__setattr__(self, "speculative_draft_model_path", None)
+            draft_path, head_path = None, draft_path
+        if draft_path and algo != "draft_model":
+            raise ValueError(f"speculative_draft_model_path is for speculative_algorithm='draft_model' (or an EAGLE "
+                             f"head with 'eagle'), not {algo!r}")
+        if head_path and algo != "eagle":
+            raise ValueError(f"speculative_eagle_head_path is for speculative_algorithm='eagle', not {algo!r}")
         if algo is None:
             return
         if self.speculative_eagle_topk != 1:
@@ -167,10 +180,12 @@ class EngineConfig:
         if self.chunked_prefill_size < 2:
             raise ValueError("speculative decoding needs chunked_prefill_size >= 2")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-        if algo in ("ngram", "ngram_device") and not 1 <= lo <= hi:
+        if algo in ("ngram", "ngram_device") and not 1 <= lo <= hi <= MAX_NGRAM_MATCH:
+            # The device drafter unrolls one comparison per n-gram length, and the host trie
+            # grows with the longest: bounded (SGLang's default longest is 12).
             raise ValueError(
-                "need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size, "
-                f"got {lo} and {hi}"
+                "need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size <= "
+                f"{MAX_NGRAM_MATCH}, got {lo} and {hi}"
             )
 
     @classmethod

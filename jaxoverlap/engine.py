@@ -143,6 +143,11 @@ class LoopTotals:
             self.compiling_launch_s += t.launch_s
 
 
+def _memory_stats(device) -> dict:
+    """The device's allocator figures (bytes_limit, bytes_in_use); {} where it has none (CPU)."""
+    return device.memory_stats() or {}
+
+
 def _resolve_dtype(name: str):
     if name == "auto":
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -263,15 +268,39 @@ class Engine:
         self.serves_penalties = config.enable_penalties
         self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096)
         table_width = -(-self.max_context_len // ps) * ps
-        kv_tokens = config.kv_cache_tokens or self._kv_tokens_from_memory(params, table_width)
+        self.mesh, layout = None, {}
+        if config.tensor_parallel_size > 1:
+            from jaxoverlap import parallel
+
+            self.mesh = parallel.make_mesh(config.tensor_parallel_size)
+            # Weights passed in by the caller may be in the one-device layout: converted here.
+            # Before the KV cache is sized: each device then holds only its share of them.
+            params = parallel.shard_params(params, self.mesh, mc)
+            if self.drafter is not None:
+                self.drafter.params = parallel.replicate(self.drafter.params, self.mesh)
+        attention = self._attention_fn()  # None: the XLA gather path
+        if self.mesh is not None:
+            # The layouts the steps' computations give these arrays (parallel.py's table).
+            layout = dict(vocab_split=params.lm_head is not None and mc.vocab_size % self.mesh.size == 0,
+                          draft_heads_split=attention is not None)
+        kv_tokens = config.kv_cache_tokens or self._kv_tokens_from_memory(table_width, layout)
         num_pages = -(-kv_tokens // ps) + 1  # + the dummy page
         self.kv_cache_tokens = (num_pages - 1) * ps
-        state = init_device_state(
-            num_layers=mc.num_layers, num_slots=num_pages * ps, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, dtype=self.dtype, num_entries=config.max_running_requests + 1,
-            table_width=table_width, **({"drafter": self.drafter.layout} if self.drafter else {}),
-            penalty_vocab_size=mc.vocab_size if self.serves_penalties else 0,
-        )
+
+        def init_state():
+            return init_device_state(
+                num_layers=mc.num_layers, num_slots=num_pages * ps, num_kv_heads=mc.num_kv_heads,
+                head_dim=mc.head_dim, dtype=self.dtype, num_entries=config.max_running_requests + 1,
+                table_width=table_width, **({"drafter": self.drafter.layout} if self.drafter else {}),
+                penalty_vocab_size=mc.vocab_size if self.serves_penalties else 0,
+            )
+
+        state_sharding = None
+        if self.mesh is None:
+            state = init_state()
+        else:  # made in place on the mesh: the cache is sized for each device's share of it
+            state = parallel.init_state_sharded(init_state, self.mesh, **layout)
+            state_sharding = parallel.StateSharding(state)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 page_size=ps, max_running=config.max_running_requests,
@@ -298,23 +327,6 @@ class Engine:
             stop_checker=self._check_stop_strings,
             eos_token_ids=self.eos_token_ids,
         )
-        self.mesh = None
-        if config.tensor_parallel_size > 1:
-            from jaxoverlap import parallel
-
-            self.mesh = parallel.make_mesh(config.tensor_parallel_size)
-            # Weights passed in by the caller may be in the one-device layout: converted here.
-            params = parallel.shard_params(params, self.mesh, mc)
-        attention = self._attention_fn()  # None: the XLA gather path
-        state_sharding = None
-        if self.mesh is not None:
-            # The layouts the steps' computations give these arrays (parallel.py's table).
-            state = parallel.shard_state(
-                state, self.mesh, vocab_split=params.lm_head is not None and mc.vocab_size % self.mesh.size == 0,
-                draft_heads_split=attention is not None)
-            state_sharding = parallel.StateSharding(state)
-            if self.drafter is not None:
-                self.drafter.params = parallel.replicate(self.drafter.params, self.mesh)
         self.runner = ModelRunner(
             params, mc, state, page_size=ps, max_running=config.max_running_requests,
             prefill_shapes=self.scheduler.cfg.prefill_shapes,
@@ -358,16 +370,26 @@ class Engine:
         return _pallas_attention(interpret=jax.default_backend() != "gpu", mesh=self.mesh,
                                  fuse_decode=not self.config.disable_fused_decode)
 
-    def _kv_tokens_from_memory(self, params, table_width: int) -> int:
-        mc = self.model_config
-        per_token = kv_cache_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+    def _kv_tokens_from_memory(self, table_width: int, layout: dict) -> int:
+        """The KV-cache tokens that `kv_cache_memory_fraction` of the first device's free
+        memory holds, the weights being in place. Under tensor parallelism (`layout`, as
+        parallel.state_shardings takes it), of what each device holds: its share of the KV
+        heads (all where the mesh does not divide them), of the drafter's (when split), and
+        of the penalty history (when its vocabulary is split)."""
+        mc, n = self.model_config, self.mesh.size if self.mesh is not None else 1
+        from jaxoverlap.parallel import local_size
+
+        per_token = kv_cache_bytes_per_token(mc.num_layers, local_size(mc.num_kv_heads, n), mc.head_dim, self.dtype)
         if self.drafter is not None:
-            per_token += self.drafter.kv_bytes_per_token
-        stats = jax.devices()[0].memory_stats() or {}
+            heads = self.drafter.layout.cache_kv_heads
+            split = layout.get("draft_heads_split") and heads and local_size(heads, n) < heads
+            per_token += self.drafter.kv_bytes_per_token // (n if split else 1)
+        stats = _memory_stats(jax.devices()[0])
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             if self.serves_penalties:
-                free -= penalties.state_bytes(self.config.max_running_requests + 1, mc.vocab_size)
+                vocab = local_size(mc.vocab_size, n) if layout.get("vocab_split") else mc.vocab_size
+                free -= penalties.state_bytes(self.config.max_running_requests + 1, vocab)
             return max(table_width, int(free * self.config.kv_cache_memory_fraction) // per_token)
         # CPU: no memory statistics; enough for every running request at full context.
         return min(self.config.max_running_requests * table_width, 1 << 16)

@@ -101,19 +101,44 @@ def replicate(tree, mesh: Mesh):
     return jax.tree.map(lambda x: _put(x, mesh, None), tree)
 
 
-def shard_state(state, mesh: Mesh, *, vocab_split: bool = False, draft_heads_split: bool = False):
-    """KV heads of the target's cache over "tp"; with `draft_heads_split` the drafter's cache
-    too, with `vocab_split` the penalty history's vocabulary; the rest replicated (the
-    module's table)."""
-    state = replicate(state, mesh)
-    state = dataclasses.replace(state, k_cache=_put(state.k_cache, mesh, 2), v_cache=_put(state.v_cache, mesh, 2))
+def _sharding(x, mesh: Mesh, axis: int | None) -> NamedSharding:
+    spec = [None] * len(x.shape)
+    if axis is not None and x.shape[axis] % mesh.size == 0:
+        spec[axis] = AXIS
+    return NamedSharding(mesh, P(*spec))
+
+
+def state_shardings(state, mesh: Mesh, *, vocab_split: bool = False, draft_heads_split: bool = False):
+    """The sharding of each array of a device state (or of its shapes, jax.eval_shape): KV
+    heads of the target's cache over "tp"; with `draft_heads_split` the drafter's cache too,
+    with `vocab_split` the penalty history's vocabulary; the rest replicated (the module's
+    table). An axis the mesh does not divide stays whole."""
+    out = jax.tree.map(lambda x: _sharding(x, mesh, None), state)
+    out = dataclasses.replace(out, k_cache=_sharding(state.k_cache, mesh, 2), v_cache=_sharding(state.v_cache, mesh, 2))
     if draft_heads_split and state.draft_k_cache is not None:
-        state = dataclasses.replace(state, draft_k_cache=_put(state.draft_k_cache, mesh, 2),
-                                    draft_v_cache=_put(state.draft_v_cache, mesh, 2))
+        out = dataclasses.replace(out, draft_k_cache=_sharding(state.draft_k_cache, mesh, 2),
+                                  draft_v_cache=_sharding(state.draft_v_cache, mesh, 2))
     if vocab_split and state.penalty is not None:
-        state = dataclasses.replace(state, penalty=dataclasses.replace(
-            state.penalty, history=_put(state.penalty.history, mesh, 1)))
-    return state
+        out = dataclasses.replace(out, penalty=dataclasses.replace(
+            out.penalty, history=_sharding(state.penalty.history, mesh, 1)))
+    return out
+
+
+def shard_state(state, mesh: Mesh, **layout):
+    """`state` placed on the mesh as `state_shardings` says."""
+    return jax.device_put(state, state_shardings(state, mesh, **layout))
+
+
+def init_state_sharded(init, mesh: Mesh, **layout):
+    """The state `init()` builds, made in place on the mesh: no device ever holds a whole
+    array that is split (a KV cache sized for every device's memory would not fit on one)."""
+    shapes = jax.eval_shape(init)
+    return jax.jit(init, out_shardings=state_shardings(shapes, mesh, **layout))()
+
+
+def local_size(n: int, mesh_size: int) -> int:
+    """What one device holds of an axis of n: n / mesh_size where that divides, else all."""
+    return n // mesh_size if n % mesh_size == 0 else n
 
 
 class StateSharding:

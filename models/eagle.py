@@ -100,6 +100,33 @@ def _top_prefix(reader: SafetensorsReader) -> str:
     return "model." if "model.fc.weight" in reader else ""
 
 
+def _check_head_tensors(reader: SafetensorsReader, path: str, top: str, lp: str, cfg: ModelConfig,
+                        target: ModelConfig) -> None:
+    """Every tensor the head's config implies, in its shape, and nothing the head would drop:
+    a CheckpointError naming the first that is not, rather than a failing first step."""
+    D, H, KVH, HD, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    if not KVH or H % KVH:
+        raise CheckpointError(f"EAGLE head {path!r}: {H} query heads do not share {KVH} KV heads evenly")
+    want = {lp + "self_attn.q_proj.weight": (H * HD, D), lp + "self_attn.k_proj.weight": (KVH * HD, D),
+            lp + "self_attn.v_proj.weight": (KVH * HD, D), lp + "self_attn.o_proj.weight": (D, H * HD),
+            lp + "mlp.gate_proj.weight": (F, D), lp + "mlp.up_proj.weight": (F, D), lp + "mlp.down_proj.weight": (D, F),
+            lp + "post_attention_layernorm.weight": (D,)}
+    optional = {top + "fc.bias": (D,), top + "norm.weight": (D,), top + "embed_tokens.weight": (target.vocab_size, D),
+                lp + "self_attn.q_norm.weight": (HD,), lp + "self_attn.k_norm.weight": (HD,),
+                lp + "self_attn.q_proj.bias": (H * HD,), lp + "self_attn.k_proj.bias": (KVH * HD,),
+                lp + "self_attn.v_proj.bias": (KVH * HD,),
+                lp + "input_layernorm.weight": (D,)}  # in EAGLE checkpoints, and unused on layer 0 by design
+    for name, shape in {**want, **optional}.items():
+        if name in reader and reader.shape(name) != shape:
+            raise CheckpointError(f"{name} of EAGLE head {path!r} has shape {list(reader.shape(name))}, "
+                                  f"expected {list(shape)}")
+    known = set(want) | set(optional) | {top + "fc.weight", top + "lm_head.weight", "lm_head.weight"}
+    unknown = sorted(n for n in reader.names() if n not in known)
+    if unknown:  # a second layer, o_proj / down_proj biases: the head would run without them
+        raise CheckpointError(f"EAGLE head {path!r} holds tensors a one-layer EAGLE-1/2 head does not use: "
+                              f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+
+
 def load_eagle_head(path: str, target: ModelConfig, dtype) -> tuple[ModelConfig, EagleParams]:
     """Read an EAGLE-format head folder; returns (head config, params) on the default device."""
     dtype = jnp.dtype(dtype)
@@ -109,17 +136,24 @@ def load_eagle_head(path: str, target: ModelConfig, dtype) -> tuple[ModelConfig,
         raise CheckpointError(f"EAGLE head {path!r} has no fc.weight")
     D = target.hidden_size
     fc_shape = reader.shape(top + "fc.weight")
-    if fc_shape == (D, 3 * D) or reader.shape(lp + "self_attn.q_proj.weight")[1] != D:
+    if fc_shape == (D, 3 * D) or (fc_shape[0] == D and reader.shape(lp + "self_attn.q_proj.weight")[1] == 2 * D):
         raise CheckpointError(
             f"EAGLE head {path!r} looks like an EAGLE-3 head (fc {list(fc_shape)}): only EAGLE-1/2-style heads "
             "(fc over [embedding ; last hidden state], one layer of width D) are supported"
         )
     if fc_shape != (D, 2 * D):
-        raise CheckpointError(f"fc.weight of {path!r} has shape {list(fc_shape)}, expected {[D, 2 * D]} for this target")
+        raise CheckpointError(f"fc.weight of {path!r} has shape {list(fc_shape)}: a head of hidden size "
+                              f"{fc_shape[0]}, and this target's is {D} (expected {[D, 2 * D]})")
+    for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"):
+        if lp + part + ".weight" not in reader:
+            raise CheckpointError(f"EAGLE head {path!r} has no {lp + part}.weight")
     overrides = {}
     cfg_file = os.path.join(path, "config.json")
     if os.path.exists(cfg_file):
         hf = read_json(cfg_file)
+        if hf.get("hidden_size") and hf["hidden_size"] != D:
+            raise CheckpointError(f"{cfg_file}: hidden_size {hf['hidden_size']}, and this target's is {D}")
         overrides.update({k: hf[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
                                                "intermediate_size", "rms_norm_eps", "rope_theta") if hf.get(k)})
     overrides["intermediate_size"] = reader.shape(lp + "mlp.gate_proj.weight")[0]
@@ -130,6 +164,7 @@ def load_eagle_head(path: str, target: ModelConfig, dtype) -> tuple[ModelConfig,
     if q_out % cfg.head_dim or kv_out % cfg.head_dim:
         raise CheckpointError(f"q/k projections of {path!r} ({q_out}, {kv_out}) do not fit head_dim {cfg.head_dim}")
     cfg = dataclasses.replace(cfg, num_heads=q_out // cfg.head_dim, num_kv_heads=kv_out // cfg.head_dim)
+    _check_head_tensors(reader, path, top, lp, cfg, target)
 
     def matrix(*names: str, transpose: bool = True) -> jax.Array:
         parts = tuple(jax.device_put(reader.get(n)) for n in names)

@@ -1,6 +1,7 @@
 """The EAGLE head: loading EAGLE-format checkpoints (checked against a NumPy version of
 EAGLE's layer), and the engine's incremental head state (prefill with chunks and a cached
 prefix, draft passes, draft extend) against a dense recomputation over the final text."""
+import dataclasses
 import functools
 import json
 
@@ -120,6 +121,54 @@ def test_eagle3_heads_are_rejected_clearly(tmp_path):
     write_head(tmp_path, cfg, "midlayer.", fc_in=3)
     with pytest.raises(CheckpointError, match="EAGLE-3"):
         eagle_models.load_eagle_head(str(tmp_path), cfg, jnp.float32)
+
+
+def test_malformed_eagle_heads_are_refused_at_load(tmp_path):
+    """A head for another width, a tensor of the wrong shape, one missing, or one the head
+    would drop (a second layer, an o_proj bias): a CheckpointError naming it, at load."""
+    from safetensors.numpy import load_file
+
+    cfg = tiny_config()
+    D = cfg.hidden_size
+    (tmp_path / "wide").mkdir()
+    write_head(tmp_path / "wide", dataclasses.replace(cfg, hidden_size=2 * D), "midlayer.")
+    with pytest.raises(CheckpointError, match=f"hidden size {2 * D}, and this target's is {D}"):
+        eagle_models.load_eagle_head(str(tmp_path / "wide"), cfg, jnp.float32)
+    cases = {
+        "o_proj": lambda w: w.update({"midlayer.self_attn.o_proj.weight": w["midlayer.self_attn.o_proj.weight"][:, :8]}),
+        "missing": lambda w: w.pop("midlayer.mlp.gate_proj.weight"),
+        "embed": lambda w: w.update({"embed_tokens.weight": np.zeros((50, D), np.float32)}),
+        "layer 1": lambda w: w.update({"layers.1.mlp.down_proj.weight": w["midlayer.mlp.down_proj.weight"]}),
+        "bias": lambda w: w.update({"midlayer.self_attn.o_proj.bias": np.zeros((D,), np.float32)}),
+    }
+    matches = {"o_proj": r"o_proj.weight .* has shape", "missing": "has no midlayer.mlp.gate_proj.weight",
+               "embed": r"embed_tokens.weight .* has shape \[50", "layer 1": "does not use",
+               "bias": "does not use"}
+    for name, change in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        write_head(folder, cfg, "midlayer.")
+        weights = load_file(str(folder / "model.safetensors"))
+        change(weights)
+        save_file(weights, str(folder / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=matches[name]):
+            eagle_models.load_eagle_head(str(folder), cfg, jnp.float32)
+
+
+def test_speculative_paths_must_match_the_algorithm(tmp_path):
+    """SGLang names an EAGLE head with --speculative-draft-model-path: taken as the head. A
+    path another algorithm would ignore is refused."""
+    from jaxoverlap.config import EngineConfig
+
+    cfg = EngineConfig(speculative_algorithm="eagle", speculative_draft_model_path="/heads/h")
+    assert cfg.speculative_eagle_head_path == "/heads/h" and cfg.speculative_draft_model_path is None
+    for bad in (dict(speculative_draft_model_path="/m"), dict(speculative_eagle_head_path="/h"),
+                dict(speculative_algorithm="draft_model", speculative_draft_model_path="/m",
+                     speculative_eagle_head_path="/h"),
+                dict(speculative_algorithm="ngram", speculative_draft_model_path="/m"),
+                dict(speculative_algorithm="ngram", speculative_ngram_max_match_window_size=1000)):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
 
 
 # -- the engine's head state against a dense recomputation ----------------------------------

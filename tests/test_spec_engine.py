@@ -16,11 +16,13 @@ from engine_fixtures import VOCAB, assert_drained, make_engine, run_workload, ti
 from jaxoverlap.models import eagle as eagle_models
 from jaxoverlap.sampling_params import SamplingParams
 
-# One cache size for every engine here: the cache's shape is part of each compiled program.
-# 80 tokens (20 pages of 4) forces retraction for the workloads below, in every drafter and both loops
-# (admission keeps room for two decode steps of growth, so a larger cache may not).
+# Few cache sizes for the engines here: the cache's shape is part of each compiled program.
+# 120 tokens (30 pages of 4) lets four requests run at once, and forces retraction for the
+# workloads below in most drafters; RETRACTING (20 pages) in every drafter and both loops
+# (admission keeps room for two decode steps of growth of each row, so the larger may not).
 OPTS = dict(max_running_requests=4, batch_buckets=(4,), max_prefill_requests=2, chunked_prefill_size=16,
-            max_context_len=64, kv_cache_tokens=80)
+            max_context_len=64, kv_cache_tokens=120)
+RETRACTING = 80
 DRAFTERS = ["eagle", "draft_model", "draft_is_target", "ngram", "ngram_device"]
 
 
@@ -86,7 +88,7 @@ def test_greedy_speculative_equals_plain_with_and_without_overlap(name):
     want = plain_outputs(0, True)
     stats = {}
     for overlap in (True, False):
-        eng = spec_engine(name, disable_overlap=not overlap)
+        eng = spec_engine(name, disable_overlap=not overlap, kv_cache_tokens=RETRACTING)
         eng.guard_launch = True
         finals = run_workload(eng, workload(0))
         assert {k: v.token_ids for k, v in finals.items()} == want, (name, overlap)
@@ -308,3 +310,29 @@ def test_paused_step_leaves_the_state_of_a_step_whose_drafts_all_missed(name):
         for cache in ("draft_k_cache", "draft_v_cache"):
             np.testing.assert_allclose(np.asarray(getattr(paused, cache))[:, slots],
                                        np.asarray(getattr(full, cache))[:, slots], rtol=1e-5, atol=1e-5)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path):
+    """Its drafts would be other tokens than the target's: refused when both folders hold a
+    tokenizer.json whose vocabularies differ; a draft model of the same tokenizer loads."""
+    import json
+    import shutil
+
+    from jaxoverlap import LLM
+    from jaxoverlap.models.loader import default_model_path
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    for folder in (same, other):
+        shutil.copytree(default_model_path(), folder)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (next(w for w, i in vocab.items() if i == k) for k in (500, 501))
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    options = dict(speculative_algorithm="draft_model", load_format="dummy", max_running_requests=2,
+                   max_context_len=64, kv_cache_tokens=256, page_size=8)
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(None, speculative_draft_model_path=str(other), **options)
+    with LLM(None, speculative_draft_model_path=str(same), **options) as llm:
+        [res] = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+        assert len(res.token_ids) == 3

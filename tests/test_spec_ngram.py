@@ -8,14 +8,14 @@ from jaxoverlap.speculative import ngram_device
 
 def reference(hist, L, k, lo, hi):
     """Most recent earlier occurrence of the longest trailing n-gram (n = hi .. lo) of
-    hist[:L+1]; the drafts are the tokens after it, at most k, never past position L."""
+    hist[:L+1]; the drafts are the k tokens after it, the period L - j going on past L."""
     for n in range(hi, lo - 1, -1):
         if n > L + 1:
             continue
         tail = hist[L - n + 1 : L + 1]
         for j in range(L - 1, n - 2, -1):
             if hist[j - n + 1 : j + 1] == tail:
-                return hist[j + 1 : j + 1 + min(k, L - j)]
+                return [hist[j + 1 + i % (L - j)] for i in range(k)]
     return []
 
 
@@ -57,3 +57,12 @@ def test_device_lookup_matches_reference():
                     lens=jnp.zeros(2, jnp.int32), bonus=jnp.zeros(2, jnp.int32), num_draft=k, min_match=lo,
                     max_match=hi, ctx_len=C)
     assert np.asarray(c0).tolist() == [0, 0]
+    # A run of one token drafts k of it, a run of a pair continues the pair.
+    for run, want in (([4, 5, 6] + [9] * 6, [9, 9, 9]), ([1] + [2, 3] * 4, [2, 3, 2])):
+        slots = req_to_token[1]
+        slot_tokens[slots[: len(run)]] = run
+        L = len(run) - 1
+        d, c = lookup(jnp.asarray(slot_tokens), jnp.asarray(req_to_token), entries=jnp.array([1], jnp.int32),
+                      lens=jnp.array([L], jnp.int32), bonus=jnp.array([run[L]], jnp.int32), num_draft=k,
+                      min_match=lo, max_match=hi, ctx_len=C)
+        assert np.asarray(c).tolist() == [k] and np.asarray(d)[0].tolist() == want

@@ -64,6 +64,12 @@ def test_tp_greedy_matches_single_device():
     assert out["vocab-split-2"]["tokens"] == out["vocab-split-1"]["tokens"]
     assert "tp" in out["pallas-eagle-warm-2"]["draft_spec"]
     assert out["pallas-eagle-warm-2"]["tokens"] == out["None-1"]["tokens"]
+    # The KV cache sized per device: twice the tokens with half the heads on each device, each
+    # device's K and V within the memory fraction of the (fake) 48 MiB limit.
+    one, two = out["sizing"]["1"], out["sizing"]["2"]
+    assert 1.9 < two["kv_tokens"] / one["kv_tokens"] < 2.3, out["sizing"]
+    assert abs(two["k_shard_mib"] - one["k_shard_mib"]) < 0.1 * one["k_shard_mib"]
+    assert 2 * two["k_shard_mib"] <= 0.85 * 48
     one, two = out["prompt-logprobs-1"], out["prompt-logprobs-2"]
     assert len(one["logprobs"]) == 36 and one["top1"] == two["top1"]
     assert len(one["penalized"]) == 16 and one["penalized"] == two["penalized"]

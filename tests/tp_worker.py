@@ -17,6 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from engine_fixtures import make_engine, run_workload, tiny_config  # noqa: E402
+from jaxoverlap import engine as engine_module  # noqa: E402
 from jaxoverlap import parallel  # noqa: E402
 from jaxoverlap.models.params import layer_at, layers_per_stack, relayout, stack_layers  # noqa: E402
 from jaxoverlap.models.transformer import dense_logits, forward  # noqa: E402
@@ -188,6 +189,25 @@ def main():
     out["pallas-eagle-warm-2"] = {"tokens": {k: v.token_ids for k, v in sorted(finals.items())},
                                   "draft_spec": str(eng.runner.state.draft_k_cache.sharding.spec)}
     seconds["layouts"] = round(time.perf_counter() - t0, 1)
+    # The KV cache sized from each device's memory (engine._memory_stats, which the CPU lacks:
+    # a fake limit, and the bytes the first device's live arrays hold): with TP=2 every device
+    # holds half the weights and half the KV heads, so the cache holds about twice the tokens.
+    t0 = time.perf_counter()
+
+    def memory_stats(device):
+        held = sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device == device)
+        return {"bytes_limit": 48 << 20, "bytes_in_use": held}
+
+    engine_module._memory_stats = memory_stats
+    sizing = {}
+    for tp in (1, 2):
+        eng = make_engine(cfg, tensor_parallel_size=tp, attention_backend="xla", kv_cache_tokens=None)
+        shard = eng.runner.state.k_cache.addressable_shards[0]
+        sizing[tp] = {"kv_tokens": eng.kv_cache_tokens, "k_shard_mib": shard.data.nbytes / 2**20}
+        eng.close()
+        del eng
+    out["sizing"] = sizing
+    seconds["sizing"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     out["fallback_attention_error"] = fallback_attention_error()
     seconds["fallback"] = round(time.perf_counter() - t0, 1)

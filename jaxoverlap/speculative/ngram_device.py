@@ -9,8 +9,9 @@ its tokens along. Prefill writes the chunk's tokens, and each step writes the wi
 accepted tokens next to their K/V.
 
 Lookup: for n = max .. min, the most recent earlier occurrence of the last n tokens
-(ending at j < L); the longest n that occurs wins. The drafts are the tokens after it,
-at most k and never past L (those are not known yet).
+(ending at j < L); the longest n that occurs wins. The drafts are the k tokens after it;
+past L (not known yet) the text is taken to repeat with period L - j (a run of one token
+drafts k more of it).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def propose(slot_tokens: jax.Array, req_to_token: jax.Array, *, entries, lens, b
     rows = jnp.arange(B)[:, None]
     match = jnp.ones((B, ctx_len), bool)  # match[b, j]: the last n tokens also end at j
     best_j = jnp.full((B,), -1, jnp.int32)
-    for n in range(1, max_match + 1):
+    for n in range(1, min(max_match, ctx_len) + 1):  # (no match is longer than the context)
         i = n - 1
         tail = hist[rows[:, 0], jnp.maximum(lens - i, 0)]  # [B] the token n-1 before the end
         earlier = jnp.where(cols - i >= 0, jnp.roll(hist, i, axis=1), -1)  # [B, C]: hist[b, j - i]
@@ -48,9 +49,13 @@ def propose(slot_tokens: jax.Array, req_to_token: jax.Array, *, entries, lens, b
         if n >= min_match:
             found = jnp.max(jnp.where(match & (cols < lens[:, None]), cols, -1), axis=1)  # [B] most recent j
             best_j = jnp.where(found >= 0, found, best_j)  # a longer match replaces a shorter one
-    take = best_j[:, None] + 1 + jnp.arange(num_draft)[None, :]  # [B, k] positions after the match
+    # The tokens after the match, hist[j + 1 .. L]; where they run out before k drafts (a match
+    # close to the end: the text repeats with period L - j, as in a run of one token), the
+    # period goes on: draft i is hist[j + 1 + i mod (L - j)].
+    period = jnp.maximum(lens - best_j, 1)  # [B]
+    take = best_j[:, None] + 1 + jnp.arange(num_draft)[None, :] % period[:, None]  # [B, k]
     drafts = jnp.take_along_axis(hist, jnp.clip(take, 0, ctx_len - 1), axis=1)
-    count = jnp.where(best_j >= 0, jnp.minimum(num_draft, lens - best_j), 0)
+    count = jnp.where(best_j >= 0, num_draft, 0)
     count = jnp.where(entries != 0, count, 0)
     drafts = jnp.where(jnp.arange(num_draft)[None, :] < count[:, None], drafts, 0)
     return drafts.astype(jnp.int32), count.astype(jnp.int32)

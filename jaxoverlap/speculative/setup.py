@@ -3,6 +3,7 @@ the shapes of its device state, and (for the host n-gram drafter) its trie."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.speculative.ngram_host import HostNgramDrafter
 from jaxoverlap.speculative.spec_config import SpecConfig
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class Drafter:
@@ -21,6 +24,24 @@ class Drafter:
     layout: DrafterLayout
     host: HostNgramDrafter | None = None
     kv_bytes_per_token: int = 0  # the drafter's cache per slot, for sizing the KV cache
+
+
+def _check_same_tokenizer(target_path: str, draft_path: str) -> None:
+    """A draft model must tokenize as the target does: its drafts are the target's token ids.
+    Another vocabulary still gives correct output (the target verifies every token) but
+    accepts next to nothing, so it is refused where both folders hold a tokenizer.json.
+    Their embeddings may be padded to different sizes; the tokens must agree."""
+    import os
+
+    import tokenizers
+
+    files = [os.path.join(p, "tokenizer.json") for p in (target_path, draft_path)]
+    if not all(os.path.exists(f) for f in files):
+        return
+    target, draft = (tokenizers.Tokenizer.from_file(f).get_vocab(with_added_tokens=False) for f in files)
+    if target != draft:
+        raise ValueError(f"the draft model's tokenizer ({files[1]}) differs from the target's ({files[0]}): its drafts "
+                         "would be other tokens than the target's; pick a draft model of the same family")
 
 
 def build_drafter(
@@ -52,6 +73,8 @@ def build_drafter(
         elif config.speculative_eagle_head_path:
             hcfg, eagle_params = eagle_models.load_eagle_head(config.speculative_eagle_head_path, target_cfg, dtype)
         else:
+            logger.warning("EAGLE with a random head (no speculative_eagle_head_path): its drafts are rejected; "
+                           "for benchmarks of the step only")
             hcfg = eagle_models.head_config(target_cfg)
             eagle_params = eagle_models.dummy_eagle_params(hcfg, dtype, seed=config.seed)
         layout = DrafterLayout(hidden_size=target_cfg.hidden_size, cache_layers=1, cache_kv_heads=hcfg.num_kv_heads,
@@ -66,6 +89,7 @@ def build_drafter(
             from jaxoverlap.models import loader
 
             draft_model_config = ModelConfig.from_path(path)
+            _check_same_tokenizer(config.model or loader.default_model_path(), path)
             draft_params = loader.load_params(path, draft_model_config, dtype, load_format=config.load_format,
                                               seed=config.seed + 1, cache_dir=config.weights_cache_dir)
         elif draft_model_config is None:
