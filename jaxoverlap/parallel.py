@@ -17,8 +17,8 @@ relay and the table are small and replicated, so every device reads its own copy
 Every step returns the state in the layout it came in (`StateSharding`, steps.keep_layout):
 left alone, XLA may hand an array back split as the computation that wrote it (the history
 as the logits, a drafter cache as shard_map's heads), and then a program compiled ahead for
-the first layout refuses the next call's state. The layouts above are the ones those
-computations produce, so that keeping them moves no data.
+the first layout refuses the next call's state. The layouts above are chosen to be the ones
+those computations give, so that keeping them need not move data.
 
 wqkv (and bqkv) and w_gate_up store their fused output axis as one contiguous block per
 device, [q | k | v heads of that device] and [gate | up columns of that device]
@@ -63,13 +63,16 @@ def make_mesh(tp: int) -> Mesh:
     return Mesh(np.array(devices[:tp]), (AXIS,))
 
 
-def _put(x, mesh: Mesh, axis: int | None):
-    if x is None:
-        return None
-    spec = [None] * x.ndim
+def _sharding(x, mesh: Mesh, axis: int | None) -> NamedSharding:
+    """`axis` of x (an array or its shape struct) over "tp" where the mesh divides it, else whole."""
+    spec = [None] * len(x.shape)
     if axis is not None and x.shape[axis] % mesh.size == 0:
         spec[axis] = AXIS
-    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+    return NamedSharding(mesh, P(*spec))
+
+
+def _put(x, mesh: Mesh, axis: int | None):
+    return None if x is None else jax.device_put(x, _sharding(x, mesh, axis))
 
 
 def shard_params(params: ModelParams, mesh: Mesh, cfg: ModelConfig | None = None) -> ModelParams:
@@ -101,13 +104,6 @@ def replicate(tree, mesh: Mesh):
     return jax.tree.map(lambda x: _put(x, mesh, None), tree)
 
 
-def _sharding(x, mesh: Mesh, axis: int | None) -> NamedSharding:
-    spec = [None] * len(x.shape)
-    if axis is not None and x.shape[axis] % mesh.size == 0:
-        spec[axis] = AXIS
-    return NamedSharding(mesh, P(*spec))
-
-
 def state_shardings(state, mesh: Mesh, *, vocab_split: bool = False, draft_heads_split: bool = False):
     """The sharding of each array of a device state (or of its shapes, jax.eval_shape): KV
     heads of the target's cache over "tp"; with `draft_heads_split` the drafter's cache too,
@@ -124,11 +120,6 @@ def state_shardings(state, mesh: Mesh, *, vocab_split: bool = False, draft_heads
     return out
 
 
-def shard_state(state, mesh: Mesh, **layout):
-    """`state` placed on the mesh as `state_shardings` says."""
-    return jax.device_put(state, state_shardings(state, mesh, **layout))
-
-
 def init_state_sharded(init, mesh: Mesh, **layout):
     """The state `init()` builds, made in place on the mesh: no device ever holds a whole
     array that is split (a KV cache sized for every device's memory would not fit on one)."""
@@ -142,7 +133,7 @@ def local_size(n: int, mesh_size: int) -> int:
 
 
 class StateSharding:
-    """The layout of a device state placed by `shard_state`: called inside a step on the
+    """The layout of a device state made by `init_state_sharded`: called inside a step on the
     state it returns, it constrains every array to its layout. The steps take it as a static
     argument, compared by identity: one per engine."""
 
@@ -177,7 +168,7 @@ def shard_attention(attention, mesh: Mesh):
     split like q. Device s gets q heads s*H/N .. and KV heads s*KVH/N ..: q head h reads KV
     head h // (H/KVH) as on one device, and those stay on the same device.
 
-    When KVH does not divide by N (then shard_state left the caches replicated), every
+    When KVH does not divide by N (then state_shardings left the caches replicated), every
     device runs all heads on the replicated inputs. H always divides when KVH does.
 
     Call it once per (attention, mesh) and reuse the result: the steps take it as a static

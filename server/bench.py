@@ -129,10 +129,13 @@ def sharegpt_requests(path: str, num: int, rng: random.Random, tokenizer=None, o
         data = json.load(f)
     pairs = []
     for entry in data:
-        conv = entry.get("conversations") or entry.get("conversation") or []
-        for i in range(len(conv) - 1):
-            if conv[i].get("from") == "human" and conv[i + 1].get("from") in ("gpt", "assistant", "chatgpt"):
-                pairs.append((conv[i].get("value", ""), conv[i + 1].get("value", "")))
+        conv = (entry.get("conversations") or entry.get("conversation") or []) if isinstance(entry, dict) else []
+        turns = [t for t in conv if isinstance(t, dict)]
+        for ask, answer in zip(turns, turns[1:]):
+            if ask.get("from") == "human" and answer.get("from") in ("gpt", "assistant", "chatgpt"):
+                prompt, reply = ask.get("value"), answer.get("value")
+                if isinstance(prompt, str) and isinstance(reply, str):  # (some dumps hold nulls)
+                    pairs.append((prompt, reply))
                 break
     rng.shuffle(pairs)
     out: list[BenchRequest] = []
@@ -267,10 +270,14 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict:
     for r in results:
         if not r.success:
             errors[r.error] = errors.get(r.error, 0) + 1
+    ranked = sorted(errors.items(), key=lambda kv: -kv[1])
+    shown = dict(ranked[:10])  # the most frequent messages; the rest counted together, so they sum to `failed`
+    if len(ranked) > 10:
+        shown["(other errors)"] = sum(n for _, n in ranked[10:])
     return {
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:10]),
+        "errors": shown,
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,

@@ -114,6 +114,11 @@ def test_sharegpt_loader(tmp_path):
                            {"from": "gpt", "value": "ok"}]},
         {"conversations": [{"from": "human", "value": "what is the capital of france, briefly?"},
                            {"from": "gpt", "value": "Paris is the capital of France."}]},
+        # Real dumps hold these too: a null reply, a turn that is no object, an entry that is none.
+        {"conversations": [{"from": "human", "value": "a question whose reply was lost"},
+                           {"from": "gpt", "value": None}]},
+        {"conversations": ["not a turn", {"from": "human", "value": "x"}]},
+        "not an entry",
     ]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data))
@@ -137,6 +142,11 @@ def test_summary_and_table():
           bench.RequestResult(success=False, error="UNAVAILABLE: x")]
     s = bench.summarize(rs, duration=2.0)
     assert s["completed"] == 2 and s["failed"] == 1 and s["errors"] == {"UNAVAILABLE: x": 1}
+    # Many distinct messages: the ten most frequent, and the rest together, still sum to `failed`.
+    many = [bench.RequestResult(success=False, error=f"DEADLINE_EXCEEDED: after {i} s") for i in range(14)]
+    errors = bench.summarize(many + many[:1], duration=1.0)["errors"]
+    assert len(errors) == 11 and errors["DEADLINE_EXCEEDED: after 0 s"] == 2 and errors["(other errors)"] == 4
+    assert sum(errors.values()) == 15
     assert s["output_throughput"] == pytest.approx(11.0)
     assert s["ttft_ms"]["mean"] == pytest.approx(200.0)
     assert s["tpot_ms"]["mean"] == pytest.approx(100.0)
