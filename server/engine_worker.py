@@ -366,7 +366,7 @@ def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=Fa
 
         precompile = jax.default_backend() == "gpu"
     # The warm-up request runs before the precompile, compiling its two programs alone. Run
-    # after it (on precompiled programs), the cold start lost 22 s less outside the compile,
+    # after it (on precompiled programs), the cold start spent 22 s less outside the compile,
     # but the next start from the persistent cache took 171 s instead of 60 s, for a reason
     # not found (benchmarks/RESULTS.md, 2026-12-06 third session).
     if warmup:
