@@ -183,18 +183,15 @@ class Scheduler:
         return _cdiv(want, self.cfg.page_size)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        first = self.prefilling
+        if first is None and not self._can_admit():
+            return None  # (every decode step comes here: nothing below runs without a prefill to plan)
         budget = self.cfg.chunked_prefill_size
         rows: list[BatchRow] = []
         reservations: list[tuple[int, int, int]] = []
-        # Headroom for the running requests' next top-up, so admission does not force an
-        # immediate retraction of what it admits: by then each row may have grown by two
-        # windows (the overlap loop processes two decode steps, the one in flight and the
-        # next, around this prefill). At least a page a row, as before.
-        grown = self._row_targets(2 * self.cfg.window)
-        headroom = max(len(self.running), sum(max(0, t - len(r.pages)) for r, t in zip(self.running, grown)))
-        first = self.prefilling
+        headroom = self._admission_headroom()
         if first is None:  # admit the first row's request before planning around it
-            if not self._can_admit() or not self._admit(self.waiting[0], reservations, headroom):
+            if not self._admit(self.waiting[0], reservations, headroom):
                 return None
             first = self.waiting.popleft()
         self.prefilling = None
@@ -221,6 +218,14 @@ class Scheduler:
             budget -= self._add_chunk(req, rows, budget, max_rows, cap)
         ctx_len = max(r.start + r.length for r in rows)
         return ScheduledBatch("prefill", rows, reservations, ctx_len)
+
+    def _admission_headroom(self) -> int:
+        """Pages admission leaves free for the running requests' next top-up, so that it does
+        not force an immediate retraction of what it admits: by then each row may have grown
+        by two windows (the overlap loop processes two decode steps, the one in flight and the
+        next, around this prefill). At least a page a row."""
+        grown = self._row_targets(2 * self.cfg.window)
+        return max(len(self.running), sum(max(0, t - len(r.pages)) for r, t in zip(self.running, grown)))
 
     def _can_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.cfg.max_running and self.entries.can_allocate()

@@ -27,6 +27,20 @@ def read_json(path: str):
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
+def read_json_if_present(path: str) -> dict:
+    """read_json, or {} where the checkpoint has no such file."""
+    return read_json(path) if os.path.exists(path) else {}
+
+
+def token_ids(value, where: str) -> tuple[int, ...]:
+    """An id field of a checkpoint's JSON (null, one id, or a list of ids) as a tuple of ids;
+    CheckpointError naming `where` if it holds anything else."""
+    ids = () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+        raise CheckpointError(f"{where} must be an integer or a list of integers, got {value!r}")
+    return ids
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -92,8 +106,7 @@ class ModelConfig:
         _refuse_unsupported(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        eos_ids = token_ids(cfg.get("eos_token_id"), "eos_token_id")
         scaling = cfg.get("rope_scaling")
         # transformers >= 5 may fold rope_theta into `rope_parameters`.
         rope_params = cfg.get("rope_parameters") or {}
@@ -141,11 +154,8 @@ class ModelConfig:
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
         gen_path = os.path.join(model_path, "generation_config.json")
-        gen = read_json(gen_path) if os.path.exists(gen_path) else {}
-        eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
-        gen_eos = eos if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in gen_eos):
-            raise CheckpointError(f"{gen_path}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+        gen = read_json_if_present(gen_path)
+        gen_eos = token_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, f"{gen_path}: eos_token_id")
         return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys((*gen_eos, *config.eos_token_ids))))
 
 

@@ -17,7 +17,7 @@ import tokenizers
 
 from jaxoverlap.errors import InvalidRequestError
 from jaxoverlap.models.chat_template import ChatTemplate
-from jaxoverlap.models.config import read_json
+from jaxoverlap.models.config import read_json_if_present, token_ids
 
 try:  # newer tokenizers releases; the ones the engine uses take prompt ids and lists of ids
     from tokenizers.decoders import DecodeStream as _DecodeStream
@@ -41,10 +41,6 @@ def _check_text(text) -> None:
                                   f"{e.start}") from None
 
 
-def _read_json(path: str) -> dict:
-    return read_json(path) if os.path.exists(path) else {}
-
-
 def _token_content(tok) -> str | None:
     # tokenizer_config.json spells special tokens either as a string or as an AddedToken dict.
     if isinstance(tok, dict):
@@ -52,12 +48,6 @@ def _token_content(tok) -> str | None:
     return tok if isinstance(tok, str) else None
 
 
-def _as_ids(value) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
 
 
 class Tokenizer:
@@ -87,9 +77,9 @@ class Tokenizer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"no tokenizer.json in {model_path!r}")
         tok = tokenizers.Tokenizer.from_file(path)
-        gen = _read_json(os.path.join(model_path, "generation_config.json"))
-        tcfg = _read_json(os.path.join(model_path, "tokenizer_config.json"))
-        mcfg = _read_json(os.path.join(model_path, "config.json"))
+        gen = read_json_if_present(os.path.join(model_path, "generation_config.json"))
+        tcfg = read_json_if_present(os.path.join(model_path, "tokenizer_config.json"))
+        mcfg = read_json_if_present(os.path.join(model_path, "config.json"))
 
         def special_id(key: str) -> list[int]:
             content = _token_content(tcfg.get(key))
@@ -98,7 +88,8 @@ class Tokenizer:
 
         # generate() in transformers stops on generation_config's ids; chat models list
         # several there (e.g. <|im_end|> and <|endoftext|>), so take all of them.
-        eos = _as_ids(gen.get("eos_token_id")) + special_id("eos_token") + _as_ids(mcfg.get("eos_token_id"))
+        eos = [*token_ids(gen.get("eos_token_id"), "generation_config.json: eos_token_id"), *special_id("eos_token"),
+               *token_ids(mcfg.get("eos_token_id"), "config.json: eos_token_id")]
         # BOS and the tokenizer's own EOS as transformers' tokenizer has them: from
         # tokenizer_config.json alone (Qwen's has no BOS, while its generation_config names
         # one), which is what lm-eval conditions a context-free text on.
