@@ -230,11 +230,21 @@ class Engine:
         self.model_config = model_config or ModelConfig.from_path(model_path)
         self.dtype = _resolve_dtype(config.dtype)
         owns_params = params is None
+        self.mesh = None
+        if config.tensor_parallel_size > 1:
+            from jaxoverlap import parallel
+
+            self.mesh = parallel.make_mesh(config.tensor_parallel_size)
         if params is None:
+            shardings = None
+            if self.mesh is not None:  # each weight read straight onto its devices
+                shardings = parallel.param_shardings(
+                    loader.abstract_params(self.model_config, self.dtype, self.mesh.size), self.mesh)
             params = loader.load_params(
                 model_path, self.model_config, self.dtype,
                 load_format=config.load_format, seed=config.seed, cache_dir=config.weights_cache_dir,
                 tensor_parallel_size=config.tensor_parallel_size,  # per-shard qkv / gate_up columns
+                shardings=shardings,
             )
         group = config.layers_per_weight_stack
         if group is None:
@@ -268,11 +278,8 @@ class Engine:
         self.serves_penalties = config.enable_penalties
         self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096)
         table_width = -(-self.max_context_len // ps) * ps
-        self.mesh, layout = None, {}
-        if config.tensor_parallel_size > 1:
-            from jaxoverlap import parallel
-
-            self.mesh = parallel.make_mesh(config.tensor_parallel_size)
+        layout = {}
+        if self.mesh is not None:
             # Weights passed in by the caller may be in the one-device layout: converted here.
             # Before the KV cache is sized: each device then holds only its share of them.
             params = parallel.shard_params(params, self.mesh, mc)

@@ -24,7 +24,9 @@ wqkv (and bqkv) and w_gate_up store their fused output axis as one contiguous bl
 device, [q | k | v heads of that device] and [gate | up columns of that device]
 (models/params.py), so splitting q/k/v and gate/up is local: per layer, the only
 collectives are the all-reduces after wo and w_down. The loader writes that layout when
-given `tensor_parallel_size`; `shard_params` converts weights that arrive in another one.
+given `tensor_parallel_size`, and given `param_shardings` it makes each weight in place on
+its devices (no device ever holds a whole split weight); `shard_params` places and converts
+weights that arrive otherwise.
 
 An axis that does not divide by the mesh size stays replicated. When H or KVH does not
 divide by it, wqkv keeps the plain [q | k | v] order (its axis is still sharded where it
@@ -75,24 +77,35 @@ def _put(x, mesh: Mesh, axis: int | None):
     return None if x is None else jax.device_put(x, _sharding(x, mesh, axis))
 
 
-def shard_params(params: ModelParams, mesh: Mesh, cfg: ModelConfig | None = None) -> ModelParams:
-    """The target's weights on the mesh. With `cfg`, fused columns in another layout than
-    the mesh's (e.g. weights loaded for one device) are converted first."""
-    if cfg is not None:
-        params = relayout(params, cfg, mesh.size)
-    def put_layer(l: LayerParams) -> LayerParams:
-        lead = l.wqkv.ndim - 2  # 1 for stacked [L or G, in, out] arrays
-        return dataclasses.replace(l, wqkv=_put(l.wqkv, mesh, lead + 1), wo=_put(l.wo, mesh, lead),
-                                   w_gate_up=_put(l.w_gate_up, mesh, lead + 1), w_down=_put(l.w_down, mesh, lead))
+def param_shardings(params: ModelParams, mesh: Mesh) -> ModelParams:
+    """The `NamedSharding` of each weight of `params` (arrays, or shape structs such as
+    loader.abstract_params gives) on `mesh`: the module's table, as a ModelParams of
+    shardings (None where a weight is None)."""
+    def split(x, axis):
+        return None if x is None else _sharding(x, mesh, axis)
+
+    def layer(l: LayerParams) -> LayerParams:
+        lead = len(l.wqkv.shape) - 2  # 1 for stacked [L or G, in, out] arrays
+        return dataclasses.replace(l, wqkv=split(l.wqkv, lead + 1), wo=split(l.wo, lead),
+                                   w_gate_up=split(l.w_gate_up, lead + 1), w_down=split(l.w_down, lead))
 
     stacked = isinstance(params.layers, LayerParams)
-    layers = put_layer(params.layers) if stacked else tuple(put_layer(l) for l in params.layers)
     return dataclasses.replace(
-        params, layers=layers, lm_head=_put(params.lm_head, mesh, 1), bqkv=_put(params.bqkv, mesh, 1),
-        embed=_put(params.embed, mesh, None), final_norm=_put(params.final_norm, mesh, None),
-        attn_norm=_put(params.attn_norm, mesh, None), mlp_norm=_put(params.mlp_norm, mesh, None),
-        q_norm=_put(params.q_norm, mesh, None), k_norm=_put(params.k_norm, mesh, None),
+        params, layers=layer(params.layers) if stacked else tuple(layer(l) for l in params.layers),
+        lm_head=split(params.lm_head, 1), bqkv=split(params.bqkv, 1),
+        embed=split(params.embed, None), final_norm=split(params.final_norm, None),
+        attn_norm=split(params.attn_norm, None), mlp_norm=split(params.mlp_norm, None),
+        q_norm=split(params.q_norm, None), k_norm=split(params.k_norm, None),
     )
+
+
+def shard_params(params: ModelParams, mesh: Mesh, cfg: ModelConfig | None = None) -> ModelParams:
+    """The target's weights on the mesh. With `cfg`, fused columns in another layout than
+    the mesh's (e.g. weights loaded for one device) are converted first. Weights the loader
+    already placed (load_params' `shardings`) are returned as they are."""
+    if cfg is not None:
+        params = relayout(params, cfg, mesh.size)
+    return jax.device_put(params, param_shardings(params, mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

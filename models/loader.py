@@ -17,6 +17,7 @@ it was written with and its key names it).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -149,18 +150,47 @@ class SafetensorsReader:
 # --------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("transpose", "dtype", "blocks", "shards"))
+def _constrain(x: jax.Array, sharding) -> jax.Array:
+    # Inside a jitted maker: the result comes out in `sharding` (None: wherever XLA puts it).
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _place(x, sharding):
+    # What a maker returned, in `sharding` for sure (a no-op when the constraint held).
+    return x if sharding is None or x is None else jax.device_put(x, sharding)
+
+
+def _put_part(x: np.ndarray, target, transpose: bool) -> jax.Array:
+    """A host tensor on the device(s), on its way to a weight of sharding `target` (None:
+    the default device). Under a mesh it travels split on the axis that becomes the target's
+    split one (where the mesh divides it), so that no device ever receives a whole matrix
+    that the mesh splits: weights larger than one device's memory can load."""
+    if target is None:
+        return jax.device_put(x)
+    mesh = target.mesh
+    spec = tuple(target.spec) + (None,) * (x.ndim - len(target.spec))
+    spec = spec[::-1] if transpose else spec  # the target is [in, out], this part [out, in]
+
+    def size(names) -> int:
+        return int(np.prod([mesh.shape[n] for n in (names if isinstance(names, tuple) else (names,))]))
+
+    spec = tuple(n if n is not None and x.shape[i] % size(n) == 0 else None for i, n in enumerate(spec))
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+@functools.partial(jax.jit, static_argnames=("transpose", "dtype", "blocks", "shards", "sharding"))
 def _to_param(parts: tuple[jax.Array, ...], *, transpose: bool, dtype, blocks: tuple[int, ...] = (),
-              shards: int = 1) -> jax.Array:
+              shards: int = 1, sharding=None) -> jax.Array:
     """Concatenate HF [out, in] matrices on the output axis, cast, and optionally transpose to [in, out].
 
     blocks, shards: the fused output axis (last after the transpose) is made of parts of
     widths `blocks`; lay them out in `shards` per-shard blocks (models/params.py). XLA
-    fuses that permutation into the transpose's copy."""
+    fuses that permutation into the transpose's copy. sharding: the weight's own (None: one
+    device)."""
     x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [sum(out), in]
     x = x.astype(dtype)
     x = x.T if transpose else x  # [in, sum(out)]
-    return to_shard_blocks(x, blocks, shards) if blocks else x
+    return _constrain(to_shard_blocks(x, blocks, shards) if blocks else x, sharding)
 
 
 def _expected_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -228,21 +258,27 @@ def _check_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, 
         logger.warning("ignoring %d unexpected tensors in %s, e.g. %s", len(extra), where, extra[:4])
 
 
-def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1) -> ModelParams:
+def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, shardings=None) -> ModelParams:
     reader = SafetensorsReader(safetensors_files(model_path))
     prefix = _name_prefix(reader)
     _check_checkpoint(reader, cfg, prefix, model_path)
     qkv_shards, gate_up_shards = layout_shards(cfg, tp)
+    where = _Shardings(shardings)
 
-    def matrix(*names: str, transpose: bool = True, blocks=(), shards: int = 1) -> jax.Array:
-        # One device_put per tensor; the host copy is dropped as soon as it is on the device.
-        parts = tuple(jax.device_put(reader.get(n)) for n in names)
-        return _to_param(parts, transpose=transpose, dtype=dtype, blocks=blocks, shards=shards)
+    def matrix(*names: str, sharding, transpose: bool = True, blocks=(), shards: int = 1) -> jax.Array:
+        # One transfer per tensor; the host copy is dropped as soon as it is on the device.
+        parts = tuple(_put_part(reader.get(n), sharding, transpose) for n in names)
+        return _place(_to_param(parts, transpose=transpose, dtype=dtype, blocks=blocks, shards=shards,
+                                sharding=sharding), sharding)
 
-    def stacked(fmt: str) -> jax.Array:
+    def stacked(fmt: str, sharding) -> jax.Array:
         # Small per-layer vectors: stack on the host (a few KB each), one transfer.
         rows = np.stack([reader.get(fmt.format(i=i)) for i in range(cfg.num_layers)])  # [L, n]
-        return _to_param((jax.device_put(rows),), transpose=False, dtype=dtype)
+        return matrix_from_rows(rows, sharding)
+
+    def matrix_from_rows(rows: np.ndarray, sharding, **layout) -> jax.Array:
+        return _place(_to_param((_put_part(rows, sharding, False),), transpose=False, dtype=dtype,
+                                sharding=sharding, **layout), sharding)
 
     def qkv_bias(i: int) -> np.ndarray:
         p = f"{prefix}layers.{i}.self_attn."
@@ -250,32 +286,49 @@ def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1) -> 
 
     layers = []
     for i in range(cfg.num_layers):
-        p = f"{prefix}layers.{i}."
+        p, s = f"{prefix}layers.{i}.", where.layer(i)
         layers.append(LayerParams(
             wqkv=matrix(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"),  # [D, (H + 2KVH) * HD]
-                        blocks=qkv_sizes(cfg), shards=qkv_shards),
-            wo=matrix(p + "self_attn.o_proj.weight"),  # [H * HD, D]
+                        sharding=s.wqkv, blocks=qkv_sizes(cfg), shards=qkv_shards),
+            wo=matrix(p + "self_attn.o_proj.weight", sharding=s.wo),  # [H * HD, D]
             w_gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",  # [D, 2F]
-                             blocks=gate_up_sizes(cfg), shards=gate_up_shards),
-            w_down=matrix(p + "mlp.down_proj.weight"),  # [F, D]
+                             sharding=s.w_gate_up, blocks=gate_up_sizes(cfg), shards=gate_up_shards),
+            w_down=matrix(p + "mlp.down_proj.weight", sharding=s.w_down),  # [F, D]
             qkv_shards=qkv_shards, gate_up_shards=gate_up_shards,
         ))
     bqkv = None
     if cfg.qkv_bias:
         rows = np.stack([qkv_bias(i) for i in range(cfg.num_layers)])  # [L, (H + 2KVH) * HD]
-        bqkv = _to_param((jax.device_put(rows),), transpose=False, dtype=dtype, blocks=qkv_sizes(cfg),
-                         shards=qkv_shards)
+        bqkv = matrix_from_rows(rows, where.get("bqkv"), blocks=qkv_sizes(cfg), shards=qkv_shards)
     return ModelParams(
-        embed=matrix(prefix + "embed_tokens.weight", transpose=False),  # [V, D]
-        final_norm=matrix(prefix + "norm.weight", transpose=False),  # [D]
-        attn_norm=stacked(prefix + "layers.{i}.input_layernorm.weight"),  # [L, D]
-        mlp_norm=stacked(prefix + "layers.{i}.post_attention_layernorm.weight"),  # [L, D]
+        embed=matrix(prefix + "embed_tokens.weight", sharding=where.get("embed"), transpose=False),  # [V, D]
+        final_norm=matrix(prefix + "norm.weight", sharding=where.get("final_norm"), transpose=False),  # [D]
+        attn_norm=stacked(prefix + "layers.{i}.input_layernorm.weight", where.get("attn_norm")),  # [L, D]
+        mlp_norm=stacked(prefix + "layers.{i}.post_attention_layernorm.weight", where.get("mlp_norm")),  # [L, D]
         layers=tuple(layers),
-        lm_head=None if cfg.tie_word_embeddings else matrix("lm_head.weight"),  # [D, V]
-        q_norm=stacked(prefix + "layers.{i}.self_attn.q_norm.weight") if cfg.qk_norm else None,  # [L, HD]
-        k_norm=stacked(prefix + "layers.{i}.self_attn.k_norm.weight") if cfg.qk_norm else None,
+        lm_head=None if cfg.tie_word_embeddings else matrix("lm_head.weight", sharding=where.get("lm_head")),  # [D, V]
+        q_norm=stacked(prefix + "layers.{i}.self_attn.q_norm.weight", where.get("q_norm")) if cfg.qk_norm else None,
+        k_norm=stacked(prefix + "layers.{i}.self_attn.k_norm.weight", where.get("k_norm")) if cfg.qk_norm else None,
         bqkv=bqkv,
     )
+
+
+class _Shardings:
+    """Reads load_params' `shardings` (a ModelParams of shardings, one LayerParams per
+    layer) or answers None everywhere (one device)."""
+
+    def __init__(self, shardings):
+        if shardings is not None and isinstance(shardings.layers, LayerParams):
+            raise ValueError("the loader makes one LayerParams per layer: pass the shardings of that form")
+        self.shardings = shardings
+
+    def get(self, name: str):
+        return None if self.shardings is None else getattr(self.shardings, name)
+
+    def layer(self, i: int) -> LayerParams:
+        if self.shardings is None:
+            return LayerParams(wqkv=None, wo=None, w_gate_up=None, w_down=None)
+        return self.shardings.layers[i]
 
 
 # --------------------------------------------------------------------------------------
@@ -299,52 +352,71 @@ def _normal(key, shape, std: float, dtype) -> jax.Array:
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "tp"))
-def _dummy_layer(key, cfg: ModelConfig, dtype, tp: int = 1) -> LayerParams:
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "tp", "shardings"))
+def _dummy_layer(key, cfg: ModelConfig, dtype, tp: int = 1, shardings=(None,) * 4) -> LayerParams:
+    """One layer's random weights; `shardings` those of (wqkv, wo, w_gate_up, w_down)."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
     gain = _TIED_RESIDUAL_GAIN if cfg.tie_word_embeddings else 1.0
     qkv_shards, gate_up_shards = layout_shards(cfg, tp)
     k1, k2, k3, k4 = jax.random.split(key, 4)
+    s_qkv, s_o, s_gate_up, s_down = shardings
     # Drawn in the plain order and then permuted, so that a seed is one model at every tp.
     return LayerParams(
-        wqkv=to_shard_blocks(_normal(k1, (D, qkv), D ** -0.5, dtype), qkv_sizes(cfg), qkv_shards),
-        wo=_normal(k2, (cfg.q_size, D), gain * cfg.q_size ** -0.5, dtype),
-        w_gate_up=to_shard_blocks(_normal(k3, (D, 2 * F), D ** -0.5, dtype), gate_up_sizes(cfg), gate_up_shards),
-        w_down=_normal(k4, (F, D), gain * F ** -0.5, dtype),
+        wqkv=_constrain(to_shard_blocks(_normal(k1, (D, qkv), D ** -0.5, dtype), qkv_sizes(cfg), qkv_shards), s_qkv),
+        wo=_constrain(_normal(k2, (cfg.q_size, D), gain * cfg.q_size ** -0.5, dtype), s_o),
+        w_gate_up=_constrain(to_shard_blocks(_normal(k3, (D, 2 * F), D ** -0.5, dtype), gate_up_sizes(cfg),
+                                             gate_up_shards), s_gate_up),
+        w_down=_constrain(_normal(k4, (F, D), gain * F ** -0.5, dtype), s_down),
         qkv_shards=qkv_shards, gate_up_shards=gate_up_shards,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "std", "dtype"))
-def _dummy_matrix(key, *, shape, std, dtype) -> jax.Array:
-    return _normal(key, shape, std, dtype)
+@functools.partial(jax.jit, static_argnames=("shape", "std", "dtype", "sharding"))
+def _dummy_matrix(key, *, shape, std, dtype, sharding=None) -> jax.Array:
+    return _constrain(_normal(key, shape, std, dtype), sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _ones(*, shape, dtype) -> jax.Array:
-    return jnp.ones(shape, dtype)
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "value", "sharding"))
+def _full(*, shape, dtype, value: float, sharding=None) -> jax.Array:
+    return _constrain(jnp.full(shape, value, dtype), sharding)
 
 
-def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, tp: int = 1) -> ModelParams:
+def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, tp: int = 1, shardings=None) -> ModelParams:
     """Random weights from the config alone, generated on the device; the same model for the
-    same seed, in the fused-column layout of tensor-parallel size `tp`."""
+    same seed, in the fused-column layout of tensor-parallel size `tp`. shardings: as
+    load_params' (each weight made in place on its devices)."""
     dtype = jnp.dtype(dtype)
     L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    where = _Shardings(shardings)
     k_embed, k_head, k_layers = jax.random.split(jax.random.key(seed), 3)
-    layers = tuple(_dummy_layer(jax.random.fold_in(k_layers, i), cfg, dtype, tp) for i in range(L))
+
+    def layer(i: int) -> LayerParams:
+        s = where.layer(i)
+        made = _dummy_layer(jax.random.fold_in(k_layers, i), cfg, dtype, tp, (s.wqkv, s.wo, s.w_gate_up, s.w_down))
+        return dataclasses.replace(made, wqkv=_place(made.wqkv, s.wqkv), wo=_place(made.wo, s.wo),
+                                   w_gate_up=_place(made.w_gate_up, s.w_gate_up), w_down=_place(made.w_down, s.w_down))
+
+    def matrix(key, shape, name: str) -> jax.Array:
+        s = where.get(name)
+        return _place(_dummy_matrix(key, shape=shape, std=1.0, dtype=dtype, sharding=s), s)
+
+    def full(shape, name: str, value: float = 1.0) -> jax.Array:
+        s = where.get(name)
+        return _place(_full(shape=shape, dtype=dtype, value=value, sharding=s), s)
+
     return ModelParams(
-        embed=_dummy_matrix(k_embed, shape=(V, D), std=1.0, dtype=dtype),
-        final_norm=_ones(shape=(D,), dtype=dtype),
-        attn_norm=_ones(shape=(L, D), dtype=dtype),
-        mlp_norm=_ones(shape=(L, D), dtype=dtype),
-        layers=layers,
-        lm_head=None if cfg.tie_word_embeddings else _dummy_matrix(k_head, shape=(D, V), std=1.0, dtype=dtype),
-        q_norm=_ones(shape=(L, cfg.head_dim), dtype=dtype) if cfg.qk_norm else None,
-        k_norm=_ones(shape=(L, cfg.head_dim), dtype=dtype) if cfg.qk_norm else None,
+        embed=matrix(k_embed, (V, D), "embed"),
+        final_norm=full((D,), "final_norm"),
+        attn_norm=full((L, D), "attn_norm"),
+        mlp_norm=full((L, D), "mlp_norm"),
+        layers=tuple(layer(i) for i in range(L)),
+        lm_head=None if cfg.tie_word_embeddings else matrix(k_head, (D, V), "lm_head"),
+        q_norm=full((L, cfg.head_dim), "q_norm") if cfg.qk_norm else None,
+        k_norm=full((L, cfg.head_dim), "k_norm") if cfg.qk_norm else None,
         # Zero biases: the bias path still runs, without shifting the peaked logits (and
         # zeros need no per-shard permutation).
-        bqkv=jnp.zeros((L, cfg.q_size + 2 * cfg.kv_size), dtype) if cfg.qkv_bias else None,
+        bqkv=full((L, cfg.q_size + 2 * cfg.kv_size), "bqkv", 0.0) if cfg.qkv_bias else None,
     )
 
 
@@ -383,13 +455,14 @@ def cache_path(cache_dir: str, model_path: str, dtype, files: Iterable[str] | No
     return os.path.join(os.path.abspath(cache_dir), f"{name}-{jnp.dtype(dtype).name}-{key}")
 
 
-def _restore_cached(path: str, cfg: ModelConfig, dtype, tp: int = 1) -> ModelParams:
+def _restore_cached(path: str, cfg: ModelConfig, dtype, tp: int = 1, shardings=None) -> ModelParams:
     import orbax.checkpoint as ocp  # imported lazily: it is slow to import and optional here
 
-    device = jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                          abstract_params(cfg, dtype, tp))
+    abstract = abstract_params(cfg, dtype, tp)
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+    # Orbax reads each device's part of each array: nothing is gathered on one device.
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(path, target)
 
@@ -418,8 +491,10 @@ def load_params(
     seed: int = 0,
     cache_dir: str | None = None,
     tensor_parallel_size: int = 1,
+    shardings=None,
 ) -> ModelParams:
-    """Weights of `cfg` as a `ModelParams` on the default device, every array of `dtype`.
+    """Weights of `cfg` as a `ModelParams`, every array of `dtype`, on the default device or
+    in `shardings`.
 
     load_format: "auto" / "safetensors" read the HF checkpoint in `model_path`; "dummy"
     generates random weights (deterministic for `seed`) without reading any weight file.
@@ -427,25 +502,28 @@ def load_params(
     loads of the same checkpoint (same path, dtype, config.json and file sizes/mtimes)
     restore them instead of converting again.
     tensor_parallel_size: lay the fused wqkv / bqkv / w_gate_up columns out in per-shard
-    blocks for this many devices (models/params.py); 1 is the plain HF order. The weights
-    still land on one device: parallel.shard_params distributes them.
+    blocks for this many devices (models/params.py); 1 is the plain HF order.
+    shardings: a ModelParams of shardings for the weights of that layout (one LayerParams
+    per layer; parallel.param_shardings), or None for the default device. Each weight is
+    then made in place on its devices, read from the file in parts: no device ever holds a
+    whole weight that its sharding splits, so a model larger than one device's memory loads.
     """
     dtype = jnp.dtype(dtype)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     tp = tensor_parallel_size
     if load_format == "dummy":
-        return dummy_params(cfg, dtype, seed, tp)
+        return dummy_params(cfg, dtype, seed, tp, shardings)
     files = safetensors_files(model_path)
     cached = cache_path(cache_dir, model_path, dtype, files, layout_shards(cfg, tp)) if cache_dir else None
     if cached and os.path.isdir(cached):
         try:
-            params = _restore_cached(cached, cfg, dtype, tp)
+            params = _restore_cached(cached, cfg, dtype, tp, shardings)
             logger.info("restored converted weights from %s", cached)
             return params
         except Exception as e:  # a corrupt or incompatible cache must not block serving
             logger.warning("ignoring unreadable weights cache %s: %s", cached, e)
-    params = _load_safetensors(model_path, cfg, dtype, tp)
+    params = _load_safetensors(model_path, cfg, dtype, tp, shardings)
     if cached and not os.path.isdir(cached):
         try:
             os.makedirs(os.path.dirname(cached), exist_ok=True)

@@ -89,6 +89,28 @@ def test_tp_greedy_matches_single_device():
             assert stacked["max_logit_diff"] < 1e-4 and stacked["wqkv_spec"] == [None, None, "tp"], stacked
 
 
+def test_loader_places_each_weight_on_its_devices(hf_checkpoint):
+    """With `shardings` the loader makes every weight in place on the mesh, for safetensors
+    (Qwen3: untied LM head split on the vocabulary; Qwen2: the qkv bias), dummy weights and
+    the orbax cache: the values of loading on one device and sharding after, and no tensor
+    the mesh splits ever sent whole to a device (so a model larger than one device loads)."""
+    paths = [hf_checkpoint("qwen3"), hf_checkpoint("qwen2")]
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_load_worker.py"), *paths], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out) == 2 * 2 * 4, sorted(out)
+    for name, row in out.items():
+        assert row["misplaced"] == 0, (name, row)
+        assert row["max_diff"] == 0.0, (name, row)
+        # Every matrix but the embedding (and the norms) is split: column and row parallel.
+        assert row["split"] >= 4 * 2 + 1, (name, row)
+        assert row["split_target_sent_whole"] == 0, (name, row)
+        # Safetensors send every file tensor; dummy weights and the cache send none.
+        assert (row["sent"] > 0) == name.endswith(("safetensors", "cache-write")), (name, row)
+
+
 def test_per_shard_layout_is_the_same_model():
     """The per-shard layout only permutes columns: same logits on one device, inverse back
     to the plain order, and dummy weights drawn for tp=N are the plain ones permuted.
