@@ -6,11 +6,14 @@ Modelled on the usual serving benchmarks (SGLang's bench_serving, JetStream's be
   "value": ...}, {"from": "gpt", "value": ...}, ...]}; the first human turn is the prompt and the
   reply that follows sets the output length) or are synthetic random token ids with input and
   output lengths drawn from a fixed value ("128") or a uniform range ("64:256");
-* load is a request rate with Poisson arrivals (or "inf": everything at once) and/or a cap on
+* load is a request rate with Poisson arrivals (or "inf": everything at once), burstier or
+  steadier with --burstiness (gamma-distributed gaps, as vLLM's benchmark), and/or a cap on
   concurrent requests;
 * per request we time the first chunk (TTFT), the gaps between chunks (ITL), and the whole call;
   TPOT is (latency - TTFT) / (output tokens - 1). We report throughput (output tokens/s,
-  requests/s), TTFT/TPOT/ITL/E2E (mean, median, p99) and the server-reported accept length;
+  requests/s), TTFT/TPOT/ITL/E2E (mean, median, p99), the server-reported accept length
+  (per request, and over all tokens), and with --goodput SLOs the rate of requests that met
+  every one of them (goodput, as in DistServe and vLLM's benchmark);
 * from each jaxoverlap server it also reads the engine loop's totals before and after the timed
   runs (GetServerInfo), and reports per decode step the engine's host time, its wait for the
   device and the share of steps where the device may have waited for the host;
@@ -161,17 +164,42 @@ def sharegpt_requests(path: str, num: int, rng: random.Random, tokenizer=None, o
     return out[:num]
 
 
-def arrival_offsets(num: int, request_rate: float, rng: random.Random) -> list[float]:
-    """Send times in seconds from the start: a Poisson process at request_rate, or all 0 for inf."""
+def arrival_offsets(num: int, request_rate: float, rng: random.Random, burstiness: float = 1.0) -> list[float]:
+    """Send times in seconds from the start, all 0 for an infinite rate. Otherwise gaps drawn
+    from a gamma distribution of mean 1 / request_rate and shape `burstiness`: 1 is a Poisson
+    process, below 1 burstier (gaps vary more), above 1 steadier."""
+    if not burstiness > 0 or math.isinf(burstiness):
+        raise ValueError(f"burstiness must be a positive number, got {burstiness}")
     if math.isinf(request_rate):
         return [0.0] * num
-    if request_rate <= 0:
+    if not request_rate > 0:
         raise ValueError("request rate must be > 0 (or inf)")
     t, out = 0.0, []
     for _ in range(num):
         out.append(t)
-        t += rng.expovariate(request_rate)
+        t += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
     return out
+
+
+GOODPUT_METRICS = {"ttft": "time to first token", "tpot": "time per output token", "e2el": "end-to-end latency"}
+
+
+def parse_goodput(specs: Sequence[str] | None) -> dict[str, float]:
+    """SLOs given as "ttft:200 tpot:50 e2el:5000" (milliseconds) -> {metric: ms}."""
+    slos: dict[str, float] = {}
+    for spec in specs or ():
+        name, sep, value = str(spec).partition(":")
+        name = name.strip().lower()
+        if not sep or name not in GOODPUT_METRICS:
+            raise ValueError(f"goodput SLO {spec!r}: write METRIC:MS with METRIC one of {sorted(GOODPUT_METRICS)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"goodput SLO {spec!r}: {value!r} is not a number of milliseconds") from None
+        if not ms > 0 or math.isinf(ms):
+            raise ValueError(f"goodput SLO {spec!r}: the limit must be a positive number of milliseconds")
+        slos[name] = ms
+    return slos
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -260,7 +288,23 @@ def _stats(values, scale: float = 1000.0) -> dict:
             "std": float(a.std())}
 
 
-def summarize(results: Sequence[RequestResult], duration: float) -> dict:
+def _meets(r: "RequestResult", slos: dict[str, float]) -> bool:
+    """Whether a completed request met every SLO (ms). TPOT of a one-token output is 0."""
+    tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+    got = {"ttft": r.ttft, "tpot": tpot, "e2el": r.latency}
+    return all(1e3 * got[name] <= ms for name, ms in slos.items())
+
+
+def _overall_accept_length(ok: Sequence["RequestResult"]) -> float:
+    """Decode tokens over decode steps, summed over every request: each request's steps are
+    its decode tokens (all but the prefill's first) over its accept length. Unlike the mean
+    of the per-request values, long outputs weigh as many steps as they took."""
+    tokens = sum(r.output_tokens - 1 for r in ok if r.output_tokens > 1 and r.accept_length > 0)
+    steps = sum((r.output_tokens - 1) / r.accept_length for r in ok if r.output_tokens > 1 and r.accept_length > 0)
+    return tokens / steps if steps else 0.0
+
+
+def summarize(results: Sequence[RequestResult], duration: float, slos: dict[str, float] | None = None) -> dict:
     ok = [r for r in results if r.success]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
@@ -291,6 +335,9 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict:
         "itl_ms": _stats(itls),
         "e2e_latency_ms": _stats([r.latency for r in ok]),
         "accept_length": _stats([r.accept_length for r in ok], scale=1.0),
+        "accept_length_overall": _overall_accept_length(ok),
+        # Requests per second that completed within every SLO (None: no SLO given).
+        "goodput": (sum(_meets(r, slos) for r in ok) / duration if duration > 0 else 0.0) if slos else None,
     }
 
 
@@ -340,7 +387,8 @@ _ROWS = [
 _DIST_ROWS = [("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL per chunk (ms)", "itl_ms"),
               ("E2E latency (ms)", "e2e_latency_ms"), ("Accept length", "accept_length")]
 # Whether a larger value is better, for the comparison column.
-_HIGHER_IS_BETTER = {"request_throughput", "output_throughput", "total_token_throughput", "completed", "accept_length"}
+_HIGHER_IS_BETTER = {"request_throughput", "output_throughput", "total_token_throughput", "completed", "accept_length",
+                     "accept_length_overall", "goodput"}
 
 
 _ENGINE_ROWS = [("Engine host time per decode step (ms)", "host_ms_per_decode"),
@@ -351,9 +399,12 @@ _ENGINE_ROWS = [("Engine host time per decode step (ms)", "host_ms_per_decode"),
 
 def _flat_rows(summary: dict, engine_rows: bool = True) -> list[tuple[str, str, float]]:
     rows = [(label, key, float(summary[key])) for label, key, _ in _ROWS]
+    if summary.get("goodput") is not None:
+        rows.append(("Request goodput (req/s within the SLOs)", "goodput", float(summary["goodput"])))
     for label, key in _DIST_ROWS:
         for stat in ("mean", "median", "p99"):
             rows.append((f"{stat.capitalize()} {label}", f"{key}.{stat}", float(summary[key][stat])))
+    rows.append(("Accept length over all tokens", "accept_length_overall", float(summary["accept_length_overall"])))
     if engine_rows:
         rows += [(label, f"engine.{key}", float(summary["engine"][key])) for label, key in _ENGINE_ROWS]
     return rows
@@ -399,6 +450,8 @@ class BenchConfig:
     max_output_len: int | None = None
     tokenizer: str | None = None
     request_rate: float = float("inf")
+    burstiness: float = 1.0
+    goodput: dict[str, float] = dataclasses.field(default_factory=dict)  # SLO per metric, ms (parse_goodput)
     max_concurrency: int | None = None
     compare_mode: str = "alternating"  # or "sequential"
     rounds: int = 4
@@ -444,7 +497,7 @@ async def benchmark(cfg: BenchConfig) -> dict:
         vocab = min(i["vocab_size"] for i in infos)
         eos = sorted({t for i in infos for t in i["eos_token_ids"]})
         requests = build_requests(cfg, vocab, eos)
-        offsets = arrival_offsets(len(requests), cfg.request_rate, random.Random(cfg.seed + 1))
+        offsets = arrival_offsets(len(requests), cfg.request_rate, random.Random(cfg.seed + 1), cfg.burstiness)
         sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                     "ignore_eos": cfg.ignore_eos}
 
@@ -493,7 +546,7 @@ async def benchmark(cfg: BenchConfig) -> dict:
         for c in clients:
             await c.close()
 
-    summaries = {label: summarize(res, dur) for label, res, dur in zip(labels, results, durations)}
+    summaries = {label: summarize(res, dur, cfg.goodput) for label, res, dur in zip(labels, results, durations)}
     for label, delta in zip(labels, loop_deltas):
         summaries[label]["engine"] = engine_summary(delta or None)
     report = {
@@ -526,6 +579,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="tokenizer.json (or a folder with one) to count ShareGPT tokens; default ~4 chars/token")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf sends everything at once (default)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="shape of the gamma-distributed gaps between arrivals at --request-rate: 1 is Poisson "
+                        "(default), below 1 burstier, above 1 steadier")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:10000: also report the requests per second that met "
+                        "all of them")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--compare-mode", choices=("alternating", "sequential"), default="alternating",
                    help="with two targets: alternate blocks of the workload, or run all of A then all of B")
@@ -554,6 +613,7 @@ def config_from_args(args) -> BenchConfig:
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         sharegpt_output_len=args.sharegpt_output_len, max_input_len=args.max_input_len,
         max_output_len=args.max_output_len, tokenizer=args.tokenizer, request_rate=args.request_rate,
+        burstiness=args.burstiness, goodput=parse_goodput(args.goodput),
         max_concurrency=args.max_concurrency, compare_mode=args.compare_mode, rounds=args.rounds,
         warmup_requests=args.warmup_requests, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, ignore_eos=not args.disable_ignore_eos, timeout=args.request_timeout, token=args.token,
@@ -562,10 +622,11 @@ def config_from_args(args) -> BenchConfig:
 
 
 def run_bench(args) -> int:
-    cfg = config_from_args(args)
-    # Validate the length specs before connecting, so typos fail fast.
+    cfg = config_from_args(args)  # parses the SLOs: a typo fails here, before connecting
+    # Validate the length specs and the arrival shape before connecting, so typos fail fast.
     LengthDist.parse(cfg.input_len)
     LengthDist.parse(cfg.output_len)
+    arrival_offsets(1, cfg.request_rate, random.Random(0), cfg.burstiness)
     report = asyncio.run(benchmark(cfg))
     print(format_table(report["results"]))
     path = cfg.output_file

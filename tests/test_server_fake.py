@@ -11,6 +11,7 @@ import asyncio
 import gc
 import json
 import os
+import random
 import shutil
 import subprocess
 import threading
@@ -18,6 +19,7 @@ import time
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 
 from jaxoverlap.config import EngineConfig
@@ -105,6 +107,42 @@ def test_length_dist_and_arrivals():
     assert offs == sorted(offs) and abs(offs[-1] / 4000 - 0.01) < 0.001  # mean gap 1/rate
 
 
+def test_burstiness_keeps_the_rate_and_changes_the_spread():
+    """Gamma gaps of shape b: the mean stays 1/rate, the coefficient of variation is 1/sqrt(b)
+    (1 for Poisson)."""
+    def gaps(b):
+        offs = bench.arrival_offsets(20000, 50.0, random.Random(2), burstiness=b)
+        return np.diff(offs)
+
+    for b in (0.25, 1.0, 4.0):
+        g = gaps(b)
+        assert abs(g.mean() - 0.02) < 0.002, b
+        assert abs(g.std() / g.mean() - b ** -0.5) < 0.08, b
+    assert bench.arrival_offsets(3, float("inf"), random.Random(0), burstiness=0.5) == [0.0] * 3
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="burstiness"):
+            bench.arrival_offsets(3, 10.0, random.Random(0), burstiness=bad)
+
+
+def test_goodput_counts_requests_within_every_slo():
+    assert bench.parse_goodput(["ttft:200", "TPOT:50.5"]) == {"ttft": 200.0, "tpot": 50.5}
+    for bad in ("ttft", "itl:10", "ttft:abc", "ttft:0", "e2el:-3", "tpot:inf"):
+        with pytest.raises(ValueError, match="goodput SLO"):
+            bench.parse_goodput([bad])
+    # ttft 0.1 s, tpot 0.1 s; ttft 0.3 s, tpot 0.1 s; ttft 0.1 s, tpot 0.3 s (e2e 3.1 s).
+    rs = [bench.RequestResult(success=True, ttft=0.1, latency=1.1, output_tokens=11),
+          bench.RequestResult(success=True, ttft=0.3, latency=1.3, output_tokens=11),
+          bench.RequestResult(success=True, ttft=0.1, latency=3.1, output_tokens=11),
+          bench.RequestResult(success=False, ttft=0.01, latency=0.02, error="aborted")]
+    assert bench.summarize(rs, 2.0)["goodput"] is None
+    assert bench.summarize(rs, 2.0, {"ttft": 200})["goodput"] == pytest.approx(1.0)  # 2 of 3, per 2 s
+    assert bench.summarize(rs, 2.0, {"ttft": 200, "tpot": 150})["goodput"] == pytest.approx(0.5)
+    assert bench.summarize(rs, 2.0, {"e2el": 2000})["goodput"] == pytest.approx(1.0)
+    table = bench.format_table({"A": bench.summarize(rs, 2.0, {"ttft": 200})})
+    assert "Request goodput" in table
+    assert "goodput" not in bench.format_table({"A": bench.summarize(rs, 2.0)})
+
+
 def test_sharegpt_loader(tmp_path):
     data = [
         {"conversations": [{"from": "human", "value": "tell me a story about a cat please"},
@@ -152,6 +190,8 @@ def test_summary_and_table():
     assert s["tpot_ms"]["mean"] == pytest.approx(100.0)
     assert s["itl_ms"]["median"] == pytest.approx(100.0)
     assert s["accept_length"]["mean"] == pytest.approx(1.5)
+    # Over all tokens: 20 decode tokens in 10 + 5 steps.
+    assert s["accept_length_overall"] == pytest.approx(20 / 15)
     table = bench.format_table({"A": s, "B": s})
     assert "Output token throughput" in table and "vs A" in table and "+0.0%" in table and "Mean TTFT (ms)" in table
 
