@@ -439,7 +439,12 @@ class Engine:
                 f"(prompt + output), so at most {self.max_context_len - 1} prompt tokens fit"
             )
         if not self.scheduler.fits(len(prompt_ids)):
-            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.kv_cache_tokens}")
+            room = self.scheduler.row_headroom
+            why = "two speculative windows and the lookahead" if self.drafter else "the next two steps"
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.kv_cache_tokens}, and a running "
+                f"request keeps room for {room} more ({why}), so at most {self.kv_cache_tokens - room} prompt "
+                f"tokens fit")
         if params is not None and params.prompt_logprobs and params.prompt_logprobs_start >= len(prompt_ids):
             raise InvalidRequestError(f"prompt_logprobs_start={params.prompt_logprobs_start} scores nothing: the "
                                       f"prompt's positions are 1..{len(prompt_ids) - 1}")
@@ -636,6 +641,13 @@ class Engine:
             params, n_ids, finished = req.params, len(req.output_ids), req.finished
             if finished and req.detok is not None and req.finish_reason != "stop":
                 req.pending_text += req.detok.flush()
+                # What the decoder held back (complete characters in front of a cut one) never
+                # met the stop check: a stop string in it still ends the text.
+                hits = [i for s in params.stop if (i := req.pending_text.find(s)) >= 0]
+                if hits:
+                    req.pending_text = req.pending_text[: min(hits)]
+                    if req.finish_reason == "length":
+                        req.finish_reason = "stop"
             new_ids = req.output_ids[req.num_emitted:]
             new_lp = req.output_logprobs[req.num_emitted:] if params.logprobs else None
             new_top = req.output_top_logprobs[req.num_emitted:] if req.output_top_logprobs is not None else None

@@ -132,6 +132,12 @@ class Scheduler:
         """Whether a prompt can ever be admitted: its pages must fit the whole cache."""
         return self._reserved_target(prompt_len) <= self.pages.capacity
 
+    @property
+    def row_headroom(self) -> int:
+        """Positions a row keeps reserved past its tokens: two windows (the steps in flight
+        and the next) and the drafter's lookahead. Part of what a prompt needs to be admitted."""
+        return 2 * self.cfg.window + self.cfg.lookahead
+
     def add(self, req: Request) -> None:
         # The token ids that end this request, looked up once per generated token.
         req.stop_ids = req.params.ending_token_ids(self.eos_token_ids)
@@ -179,7 +185,7 @@ class Scheduler:
 
     def _reserved_target(self, num_positions: int) -> int:
         """Pages a row needs so that positions [0, num_positions + 2 windows + lookahead) are reserved."""
-        want = min(num_positions + 2 * self.cfg.window + self.cfg.lookahead, self.cfg.table_width)
+        want = min(num_positions + self.row_headroom, self.cfg.table_width)
         return _cdiv(want, self.cfg.page_size)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:

@@ -25,9 +25,9 @@ reader thread here rebuilds `RequestOutput`s, with `token_ids` from the ids it h
 and hands each event loop its outputs with one `call_soon_threadsafe` per step, as
 EngineWorker does.
 
-The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group): the parent
-drains the server and then stops the engine. If the parent dies, the child sees its command
-pipe close and shuts down.
+The child ignores SIGINT and SIGTERM (a terminal's Ctrl-C, and systemd, `timeout` or
+`kill -TERM -PGID`, signal the whole process group): the parent drains the server and then
+stops the engine. If the parent dies, the child sees its command pipe close and shuts down.
 """
 from __future__ import annotations
 
@@ -394,6 +394,7 @@ class _Sender:
 
 def _child_main(factory, options, commands, events) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -258,14 +258,20 @@ class EngineWorker(EngineCalls):
             self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
             cmd.future.set_result(None)
         elif isinstance(cmd, _Abort):
+            # The abort happens even when its caller has gone (an Abort RPC past its deadline
+            # cancels the future): only the answer is dropped. Resolving a cancelled future
+            # would raise here and end this thread.
+            fut = cmd.future
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                fut = None
             try:
                 ok = bool(engine.abort(cmd.request_id))
             except Exception as e:  # noqa: BLE001
-                if cmd.future is not None:
-                    cmd.future.set_exception(e)
+                if fut is not None:
+                    fut.set_exception(e)
                 return
-            if cmd.future is not None:
-                cmd.future.set_result(ok)
+            if fut is not None:
+                fut.set_result(ok)
         elif isinstance(cmd, _Call):
             if not cmd.future.set_running_or_notify_cancel():
                 return
@@ -390,7 +396,8 @@ def _refuse(cmd, error: BaseException) -> None:
         if cmd.future.set_running_or_notify_cancel():
             cmd.future.set_exception(error)
     elif isinstance(cmd, _Abort) and cmd.future is not None:
-        cmd.future.set_result(False)
+        if cmd.future.set_running_or_notify_cancel():
+            cmd.future.set_result(False)
 
 
 def _dispatch(items) -> None:

@@ -20,6 +20,7 @@ import time
 import uuid
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -46,6 +47,12 @@ INLINE_TOKENIZE_MAX_CHARS = 2048
 # cancel) waits up to this long for the engine to release the old requests: their aborts
 # take effect at the engine's next step.
 RETIRE_WAIT_S = 30.0
+# Engine request ids of a call's samples (n > 1): `{request_id}#{k}`; refused in client ids.
+SAMPLE_SEPARATOR = "#"
+# A call that ends this close to its deadline (as the server counts it) is counted as past
+# its deadline: the client's timer starts before the server's, so the client's cancel
+# arrives while the server's copy of the deadline still has this much left.
+DEADLINE_SLACK_S = 0.25
 
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 _SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
@@ -63,17 +70,21 @@ class _GenerateCall:
     silently become "token_ids". We count the members in the raw bytes to reject it instead.
     """
 
-    __slots__ = ("message", "input_fields")
+    __slots__ = ("message", "input_fields", "error")
 
-    def __init__(self, message, input_fields: int):
-        self.message = message
+    def __init__(self, message, input_fields: int, error: str | None = None):
+        self.message = message  # None when the bytes are no GenerateRequest (`error` says why)
         self.input_fields = input_fields
+        self.error = error
 
 
 def _top_level_field_numbers(raw: bytes) -> set[int]:
-    """Field numbers present at the top level of a serialized message (wire-format walk)."""
+    """Field numbers present at the top level of a serialized message (wire-format walk).
+    Groups (wire types 3 and 4, which proto3 never writes) are stepped over with what they
+    hold, so that fields after one still count."""
     seen = set()
     i, n = 0, len(raw)
+    depth = 0  # groups open around the current field
 
     def varint(i):
         shift = value = 0
@@ -90,7 +101,8 @@ def _top_level_field_numbers(raw: bytes) -> set[int]:
     while i < n:
         key, i = varint(i)
         field, wire = key >> 3, key & 7
-        seen.add(field)
+        if depth == 0 and wire != 4:
+            seen.add(field)
         if wire == 0:
             _, i = varint(i)
         elif wire == 1:
@@ -100,18 +112,36 @@ def _top_level_field_numbers(raw: bytes) -> set[int]:
             i += length
         elif wire == 5:
             i += 4
-        else:  # groups (3/4) are not used by proto3; let the real parser judge the message
-            break
+        elif wire == 3:
+            depth += 1
+        elif wire == 4:
+            depth -= 1
+            if depth < 0:
+                raise ValueError("end of a group that was not opened")
+        else:
+            raise ValueError(f"wire type {wire}")
+    if depth:
+        raise ValueError("unterminated group")
     return seen
 
 
 def _decode_generate(raw: bytes) -> _GenerateCall:
-    message = pb.GenerateRequest.FromString(raw)
+    try:
+        message = pb.GenerateRequest.FromString(raw)
+    except DecodeError as e:  # answered INVALID_ARGUMENT by Generate (a raise here is UNKNOWN)
+        return _GenerateCall(None, 0, f"malformed GenerateRequest: {e}")
     try:
         count = len(_top_level_field_numbers(raw) & _INPUT_FIELDS)
     except ValueError:
         count = 1 if message.WhichOneof("input") else 0
     return _GenerateCall(message, count)
+
+
+def _decode_abort(raw: bytes) -> pb.AbortRequest | None:
+    try:
+        return pb.AbortRequest.FromString(raw)
+    except DecodeError:
+        return None  # Abort answers INVALID_ARGUMENT
 
 
 def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
@@ -331,6 +361,8 @@ class GenerationServicer:
 
     def _prepare(self, call: _GenerateCall):
         req = call.message
+        if req is None:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, call.error)
         if not self.accepting:
             raise _Rejected(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if call.input_fields > 1:
@@ -369,6 +401,12 @@ class GenerationServicer:
             # It goes back to the client as a metadata value, which gRPC allows in printable ASCII only.
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                             f"request_id {rid!r} must be printable ASCII (it is sent back as gRPC metadata)")
+        if SAMPLE_SEPARATOR in rid:
+            # The engine knows the samples of a call with n > 1 as `id#k`: a client's "x#0"
+            # would meet another call's sample 0 of "x".
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request_id {rid!r} must not contain {SAMPLE_SEPARATOR!r} (the server names the "
+                            f"samples of a call id{SAMPLE_SEPARATOR}k)")
         if rid in self.streams:
             raise _Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
         if self.max_queued_requests is not None:
@@ -394,7 +432,7 @@ class GenerationServicer:
         # SamplingParams.n > 1: one engine request per sample, `rid#k`, sharing the prompt's
         # prefill through the prefix cache; their outputs meet in this call's one mailbox.
         samples = params.samples()
-        engine_ids = [rid] if len(samples) == 1 else [f"{rid}#{k}" for k in range(len(samples))]
+        engine_ids = [rid] if len(samples) == 1 else [f"{rid}{SAMPLE_SEPARATOR}{k}" for k in range(len(samples))]
         mailbox = _OutputQueue(engine_ids)
         self.streams[rid] = mailbox
         self.engine_requests += len(engine_ids)
@@ -494,7 +532,7 @@ class GenerationServicer:
             # ends the call, so count it here (a rejected call is counted by _reject).
             if self.metrics is not None:
                 remaining = context.time_remaining()
-                code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+                code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
                 self.metrics.errors.labels(code).inc()
             raise
         finally:
@@ -560,7 +598,9 @@ class GenerationServicer:
 
     # -- the unary calls
 
-    async def Abort(self, request: pb.AbortRequest, context):
+    async def Abort(self, request: pb.AbortRequest | None, context):
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed AbortRequest")
         rid = request.request_id
         stream = self.streams.get(rid)
         if stream is None:
@@ -571,9 +611,9 @@ class GenerationServicer:
             stream.abort_requested = True
             return pb.AbortResponse()
         try:
-            ok = False
-            for eid in stream.engine_ids:  # every sample's
-                ok |= await self.worker.abort(eid)
+            # Every sample's, at once; shielded, so that an Abort call cancelled or past its
+            # deadline (while the engine is inside a long step) still aborts them all.
+            ok = any(await asyncio.shield(asyncio.gather(*(self.worker.abort(eid) for eid in stream.engine_ids))))
         except WorkerUnavailableError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if not ok:
@@ -627,7 +667,7 @@ def _handlers(servicer: GenerationServicer) -> dict:
             servicer.Generate, request_deserializer=_decode_generate,
             response_serializer=pb.GenerateResponse.SerializeToString),
         "Abort": grpc.unary_unary_rpc_method_handler(
-            servicer.Abort, request_deserializer=pb.AbortRequest.FromString,
+            servicer.Abort, request_deserializer=_decode_abort,
             response_serializer=pb.AbortResponse.SerializeToString),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,

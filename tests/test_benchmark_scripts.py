@@ -63,6 +63,17 @@ def test_spec_bench(tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_spec_divergence_probe(tmp_path):
+    """On the tiny float32 model every variant gives the reference's greedy tokens, also when
+    run again on the same engine; the JSON lists the differences (none) per variant."""
+    res = run_script(tmp_path, "spec_divergence_probe", "--tiny", "--batch", "2", "--new-tokens", "6", "--again",
+                     "--variants", "plain:xla", "ngram_device:xla:normal")
+    assert set(res["summary"]) == {"plain:xla:again", "ngram_device:xla:normal", "ngram_device:xla:normal:again"}
+    assert all(diffs == [] for diffs in res["summary"].values()), res["summary"]
+    assert len(res["tokens"]["plain:xla"]) == 2 and res["margin_min"] > 0
+
+
+@pytest.mark.timeout(400)
 def test_serve_overlap_bench(tmp_path):
     res = run_script(tmp_path, "serve_overlap_bench", "--tiny", "--concurrency", "8", "--num-prompts", "16",
                      "--output-len", "16", "--rounds", "1")

@@ -184,6 +184,24 @@ def test_killed_engine_process_ends_streams_and_health():
         worker.stop()
 
 
+def test_engine_process_outlives_a_sigterm_to_its_process_group():
+    """systemd, `timeout` and `kill -TERM -PGID` signal the whole group: the server drains on
+    SIGTERM, so the engine process must ignore it and keep serving the drain."""
+    worker = EngineProcess(_factory(step_delay=0.01)).start(timeout=60)
+    st = ServerThread(worker).start()
+    try:
+        with GenerationClient(st.target, timeout=30) as c:
+            it = iter(c.generate("abc", max_new_tokens=60, ignore_eos=True))
+            next(it)
+            os.kill(worker.pid, signal.SIGTERM)  # what the child gets of a signal to the group
+            assert list(it)[-1].finish_reason == "length"
+            assert worker.alive
+            assert c.generate_text("a", max_new_tokens=3, ignore_eos=True).finish_reason == "length"
+    finally:
+        st.stop()
+        worker.stop()
+
+
 def test_a_large_add_does_not_block_the_servers_loop():
     """Commands go to the child through a pipe that holds 64 KiB; while the child is inside a
     long step, a larger add waits for it on the sender thread, not on the server's event loop."""

@@ -261,3 +261,35 @@ def test_a_dropped_engine_is_freed_once_the_next_engine_is_built():
     assert ref() is not None  # frozen garbage
     make_engine()
     assert ref() is None
+
+
+def test_a_stop_string_in_the_text_flushed_at_the_end_still_ends_it():
+    """Byte-level vocabularies hold tokens of whole characters followed by the first byte of
+    a cut one (GPT-2's 'Ġâ' = b" \\xe2"): the decoder holds such a token's text back, so a
+    stop string in its whole part is only seen when the request ends and the text is
+    flushed. It must still end the text there."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from jaxoverlap.models.tokenizer import Tokenizer
+
+    vocab = {"<|endoftext|>": 0}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    vocab["Ġâ"] = len(vocab)
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "â")]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<|endoftext|>"])
+    tok = Tokenizer(hf, eos_token_ids=[0])
+    assert tok.encode("a \u2014")[:2] == [vocab["a"], vocab["Ġâ"]]
+    eng = make_engine(tiny_config(vocab_size=320), tokenizer=tok)
+    forced = {vocab["Ġâ"]: 100.0}
+    for stop, text, reason in (([" "], "", "stop"), (["x"], " \ufffd", "length")):
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, logit_bias=forced, stop=stop)
+        eng.add_request("s", tok.encode("aaaa"), params)
+        outs = []
+        while eng.has_work():
+            outs.extend(eng.step())
+        assert outs[-1].token_ids == [vocab["Ġâ"]]
+        assert ("".join(o.new_text for o in outs), outs[-1].finish_reason) == (text, reason), stop

@@ -353,6 +353,61 @@ def test_abort_before_the_engine_has_the_request():
     engine.check_integrity()
 
 
+def test_malformed_bytes_and_reserved_ids_are_invalid_arguments(served):
+    """Bytes that are no request (bad UTF-8 in a string, a cut message) are INVALID_ARGUMENT,
+    not UNKNOWN; a group field cannot hide a second input from the one-input check; a
+    client's id may not contain the '#' of the server's sample ids (a plain "x#0" would meet
+    sample 0 of another call's "x")."""
+    _, _, _, client = served
+    gen = client.channel.unary_stream("/jaxoverlap.v1.Generation/Generate", request_serializer=lambda b: b,
+                                      response_deserializer=pb.GenerateResponse.FromString)
+    abort = client.channel.unary_unary("/jaxoverlap.v1.Generation/Abort", request_serializer=lambda b: b,
+                                       response_deserializer=lambda b: b)
+    group = bytes([(15 << 3) | 3, (15 << 3) | 4])  # an empty group, field 15 (no proto3 writer makes one)
+    both = (group + pb.GenerateRequest(text="hello").SerializeToString()
+            + pb.GenerateRequest(token_ids=pb.TokenIds(ids=[40, 41])).SerializeToString())
+    for call, raw, message in ((gen, b"\x12\x02\xff\xfe", "malformed GenerateRequest"),
+                               (gen, b"\x12\x10abc", "malformed GenerateRequest"),
+                               (abort, b"\x0a\x10abc", "malformed AbortRequest"),
+                               (gen, both, "exactly one of text, token_ids and chat")):
+        with pytest.raises(grpc.RpcError) as e:
+            result = call(raw, timeout=10)
+            list(result) if call is gen else result
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details(), e.value
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate_text("abc", request_id="x#0", max_new_tokens=2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'#'" in e.value.details()
+    # The walk still counts the fields after a group: one input behind it is served.
+    one = group + pb.GenerateRequest(text="hi", sampling_params=pb.SamplingParams(max_new_tokens=2)).SerializeToString()
+    assert list(gen(one, timeout=10))[-1].complete.finish_reason in ("length", "stop")
+
+
+def test_an_abort_past_its_deadline_still_aborts_and_harms_nothing():
+    """An Abort call whose deadline passes while the engine is inside a step (seconds while a
+    program compiles) cancels its future; the engine thread must still abort the request,
+    drop the answer, and keep serving everyone else."""
+    engine = FakeEngine(EngineConfig(max_running_requests=8, max_context_len=64, kv_cache_tokens=1024),
+                        step_delay=0.5)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker).start()
+    client = GenerationClient(st.target, timeout=30)
+    try:
+        victim = iter(client.generate("abc", request_id="victim", max_new_tokens=40, ignore_eos=True))
+        next(victim)
+        with pytest.raises(grpc.RpcError) as err:
+            client.abort("victim", timeout=0.05)  # the engine is inside a 0.5 s step
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert list(victim)[-1].finish_reason == "abort"
+        assert worker.dead_error is None and worker.alive
+        assert client.generate_text("xyz", max_new_tokens=2, ignore_eos=True).finish_reason == "length"
+        assert client.health() == "SERVING"
+    finally:
+        client.close()
+        st.stop()
+        worker.stop()
+    engine.check_integrity()
+
+
 def test_a_retry_may_reuse_the_id_of_a_call_that_ended_early():
     """The call's end only queues its abort; the engine holds the id until its next step. A
     retry with that id waits for it instead of meeting ALREADY_EXISTS."""

@@ -336,3 +336,23 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path):
     with LLM(None, speculative_draft_model_path=str(same), **options) as llm:
         [res] = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
         assert len(res.token_ids) == 3
+
+
+def test_a_prompt_refused_for_the_cache_names_the_speculative_room():
+    """With a KV cache smaller than the context, a speculative row's reserved windows count
+    against what a prompt may hold: the refusal says so and gives the longest prompt that
+    fits, which is then admitted and served."""
+    from jaxoverlap.errors import PromptTooLongError
+
+    eng = make_engine(speculative_algorithm="ngram_device", speculative_num_steps=3, page_size=4,
+                      max_context_len=128, kv_cache_tokens=40)
+    room = eng.scheduler.row_headroom
+    assert room >= 2 * 4  # two windows of 1 + 3 tokens
+    longest = eng.kv_cache_tokens - room
+    with pytest.raises(PromptTooLongError, match=rf"room for {room} more \(two speculative windows.*at most "
+                                                 rf"{longest} prompt tokens fit"):
+        eng.add_request("long", list(range(1, longest + 2)), SamplingParams(max_new_tokens=4))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    finals = run_workload(eng, {0: [("fits", [(7 * i) % 90 + 1 for i in range(longest)], params)]})
+    assert len(finals["fits"].token_ids) >= 1
+    assert_drained(eng)
