@@ -45,6 +45,7 @@ from jaxoverlap.request import Request
 from jaxoverlap.runner import LaunchedStep, ModelRunner
 from jaxoverlap.sampling_params import SamplingParams
 from jaxoverlap.scheduler import Scheduler, SchedulerConfig
+from jaxoverlap.structured import advance as advance_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +332,7 @@ class Engine:
             PageAllocator(num_pages, ps),
             EntryAllocator(config.max_running_requests),
             PrefixCache(ps, enabled=not config.disable_prefix_cache),
-            stop_checker=self._check_stop_strings,
+            stop_checker=self._check_token,
             eos_token_ids=self.eos_token_ids,
         )
         self.runner = ModelRunner(
@@ -353,6 +354,7 @@ class Engine:
 
             self.runner.inputs.sharding = parallel.replicated(self.mesh)
         self.requests: dict[str, Request] = {}
+        self._constrained = 0  # live requests with a structured_output (their steps give up overlap)
         self._inflight: LaunchedStep | None = None
         self._seed_rng = random.Random(config.seed)
         self.timings: collections.deque[StepTiming] = collections.deque(maxlen=100_000)
@@ -420,6 +422,10 @@ class Engine:
         req = Request(request_id, prompt_ids, params, seed)
         if self.tokenizer is not None and params.detokenize:
             req.detok = self.tokenizer.incremental_decoder(prompt_ids)
+        if params.structured_output is not None:
+            req.matcher = self.grammars.matcher(params.structured_output)
+            self._constrained += 1
+            self.runner.allowed_tokens = self.grammars.bitmask  # steps now look for constrained rows
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -459,6 +465,12 @@ class Engine:
                                       "logit_bias are not available on an engine started with enable_penalties=False")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
+        if params.structured_output is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured_output needs a tokenizer, and this model has none")
+            if self.drafter is not None:
+                raise InvalidRequestError("structured_output is not available with speculative decoding")
+            self.grammars.check(params.structured_output)  # a grammar llguidance refuses: its message
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary ({vocab})")
@@ -534,9 +546,10 @@ class Engine:
         batch = self.scheduler.schedule()  # decided from results up to step N-1
         t1 = time.perf_counter()
         early, fresh_s, fresh_wait_s = [], 0.0, 0.0
-        if batch is not None and self._inflight is not None and self.runner.needs_host_results(batch):
-            # Host n-gram: the drafts need step N's tokens, so this batch gives up overlap.
-            # Its reservations, made from older counts, still cover it.
+        if batch is not None and self._inflight is not None and self._needs_host_results(batch):
+            # Host n-gram: the drafts need step N's tokens; structured output: the allowed
+            # tokens do. So this batch gives up overlap. Its reservations, made from older
+            # counts, still cover it.
             prev, self._inflight = self._inflight, None
             fresh_wait_s, early, _ = self._process(prev)
             fresh_s = time.perf_counter() - t1
@@ -609,6 +622,31 @@ class Engine:
                         launch_s)
 
     # -- outputs ----------------------------------------------------------------------------------
+    @functools.cached_property
+    def grammars(self):
+        """Structured output's grammars and masks for this engine's tokenizer (structured.py)."""
+        from jaxoverlap.structured import Grammars
+
+        return Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+
+    def _check_token(self, req: Request) -> str | None:
+        """Called for every new token that is no stop token: stop strings, then the request's
+        grammar. A grammar that this token completed ends the request with its text whole."""
+        reason = self._check_stop_strings(req)
+        if reason is None and req.matcher is not None:
+            reason = advance_grammar(req)
+            if reason is not None and req.detok is not None:
+                req.pending_text += req.detok.flush()  # "stop" outputs are not flushed later
+        return reason
+
+    def _needs_host_results(self, batch) -> bool:
+        """Whether `batch` may launch only after the step in flight is processed: the host
+        n-gram drafter's batches (their drafts), and batches with a constrained row (its
+        allowed tokens follow from the token in flight)."""
+        if self.runner.needs_host_results(batch):
+            return True
+        return self.runner.allowed_tokens is not None and any(row.req.matcher is not None for row in batch.rows)
+
     def _check_stop_strings(self, req: Request) -> str | None:
         """Called for every new token: decode it and look for stop strings.
 
@@ -665,6 +703,11 @@ class Engine:
             if finished and req.prompt_logprobs is not None:
                 out.prompt_logprobs, out.prompt_top1 = req.prompt_logprobs, req.prompt_top1
             outputs.append(out)
+            if finished and req.matcher is not None:
+                req.matcher = None
+                self._constrained -= 1
+                if not self._constrained:
+                    self.runner.allowed_tokens = None  # no row is constrained: no step looks
             if finished and self.requests.get(req.request_id) is req:
                 # (A finished request's id may be reused before its final output: add_request
                 # then holds the new request under it, which this one must not take along.)

@@ -60,6 +60,9 @@ class Request:
     num_emitted: int = 0
     pending_text: str = ""
     detok: object = None  # the tokenizer's incremental decoder
+    # SamplingParams.structured_output: its llguidance matcher, advanced by every output token
+    # (structured.py), from which each step's allowed tokens come.
+    matcher: object = None
 
     # SamplingParams.prompt_logprobs: per prompt position, the logprob of its token given
     # the tokens before it and whether it was the argmax there (None at position 0), filled

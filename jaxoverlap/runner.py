@@ -242,6 +242,9 @@ class ModelRunner:
         self.paused_spec = dataclasses.replace(self.spec, num_draft=0) if self.spec is not None else None
         self.draft_max_rows = draft_max_rows if self.spec is not None else None
         self.last_draft_s = 0.0  # host drafting time of the last launch (host n-gram)
+        # Structured output (structured.Grammars.bitmask), set by the engine while some request
+        # has one: (rows, num_rows, sampled) -> the allowed tokens of each row, or None.
+        self.allowed_tokens = None
         self.inputs = DeviceInputs()  # the engine sets its sharding under tensor parallelism
         self.model_cfg = model_cfg
         self.state = state
@@ -399,8 +402,9 @@ class ModelRunner:
             self.last_draft_s = time.perf_counter() - t
             host_drafts = HostDrafts(tokens, counts)
         ctx_len = self._ctx_len(batch)
-        step, args, static = self._decode_program(inputs, host_drafts, ctx_len, sampling, batch.draft, top)
-        key = self._program_key(B, host_drafts is not None, ctx_len, sampling, batch.draft, top)
+        allowed = self.allowed_tokens(batch.rows, B) if self.allowed_tokens is not None else None
+        step, args, static = self._decode_program(inputs, host_drafts, ctx_len, sampling, batch.draft, top, allowed)
+        key = self._program_key(B, host_drafts is not None, ctx_len, sampling, batch.draft, top, allowed is not None)
         self.state, out = self._call_decode(key, step, args, static)
         return out
 
@@ -418,8 +422,8 @@ class ModelRunner:
         return self._layout_of[1]
 
     def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool,
-                     top: bool = False) -> tuple:
-        return (B, host_drafts, ctx_len, sampling, draft, top, self.attention, self._layout_key())
+                     top: bool = False, constrained: bool = False) -> tuple:
+        return (B, host_drafts, ctx_len, sampling, draft, top, self.attention, self._layout_key(), constrained)
 
     def _call_decode(self, key: tuple, step, args, static):
         pair = self._executables.get(key)
@@ -470,14 +474,16 @@ class ModelRunner:
         return max(8, B * self.decode_pages_per_row)
 
     def _decode_program(self, inputs: steps.DecodeInputs, host_drafts, ctx_len: int, sampling: bool, draft: bool,
-                        top: bool = False):
+                        top: bool = False, allowed: np.ndarray | None = None):
         """(jitted step, arguments, static arguments) of one decode launch. `launch` and
         `precompile` both build their call here, so that they meet in one jit cache entry.
-        `top`: the variant that returns top logprobs."""
+        `top`: the variant that returns top logprobs. `allowed`: the rows' allowed tokens
+        (structured output; a program of its own, compiled on first use)."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
                       sampling=sampling, **({"top_logprobs": True} if top else {}), **self._layout_static)
         if self.spec is None:
-            return steps.decode_step, (self.params, self.state, inputs), static
+            return steps.decode_step, (self.params, self.state, inputs) + ((allowed,) if allowed is not None else ()), \
+                static
         from jaxoverlap.speculative.step import spec_decode_step
 
         return (spec_decode_step, (self.params, self.drafter.params, self.state, inputs, host_drafts),
@@ -626,7 +632,9 @@ class ModelRunner:
         # returns prompt logprobs (never warmed up: offline scoring, not serving latency) and
         # the one that returns top logprobs unless the warm-up was asked for it.
         scoring, top = inp.targets is not None, inp.top_logprobs
-        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring, top))
+        # A prefill with allowed tokens (structured output) is a program of its own, compiled on first use.
+        compiled = (self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring, top))
+                    if getattr(inp, "allowed", None) is None else None)
         self.state, out = compiled(*args) if compiled is not None else step(*args, **static)
         return out
 
@@ -642,10 +650,13 @@ class ModelRunner:
                 req = row.req
                 tokens[i, : row.length] = req.fill_ids[row.start : row.start + row.length]
                 starts[i], lens[i], entries[i] = row.start, row.length, req.entry
+            allowed = None
+            if self.allowed_tokens is not None and rows:  # only a prompt's last chunk samples its token
+                allowed = self.allowed_tokens(rows, R, sampled=lambda i: rows[i].is_last)
             return steps.PrefillInputs(tokens, starts, lens, entries, *_sampling_arrays(rows, R),
                                        targets=_prompt_targets(rows, R, T),
                                        penalties=_penalty_inputs(rows, R) if self.penalties else None,
-                                       top_logprobs=batch_top_logprobs(rows))
+                                       top_logprobs=batch_top_logprobs(rows), allowed=allowed)
         from jaxoverlap.speculative.step import SpecPrefillInputs
 
         is_last = np.zeros((R,), bool)

@@ -35,7 +35,15 @@ def _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampling: bool = True, penalties=None):
+def allowed_mask(allowed: jax.Array, vocab: int) -> jax.Array:
+    """[B, W] int32 bitmask (bit t % 32 of word t // 32: token t allowed) -> [B, vocab] bool."""
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    words = jnp.take(allowed, ids // 32, axis=1)  # [B, vocab]: each token's word
+    return ((words >> (ids % 32)) & 1) == 1
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampling: bool = True, penalties=None,
+           allowed=None):
     """logits [B, V] float32; per-row params [B]; positions [B] of the token being sampled.
 
     `sampling` is static: the host knows whether any row of a decode batch samples, and
@@ -48,10 +56,15 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampli
     `penalties`: None, or the rows' state from `penalties.rows` (history, params, min_end,
     logit bias); the token is chosen from the logits those rules give, greedy rows too.
 
+    `allowed`: None, or [B, ceil(V / 32)] int32, each row's allowed tokens as a bitmask
+    (structured output): the others are set to -inf before the choice, greedy rows too.
+
     Returns (tokens [B] int32, logprobs [B] float32 of the chosen tokens under the raw model
     distribution).
     """
     chosen_from = logits if penalties is None else apply_penalties(logits, positions, *penalties)
+    if allowed is not None:
+        chosen_from = jnp.where(allowed_mask(allowed, logits.shape[-1]), chosen_from, -jnp.inf)
     tokens = jnp.argmax(chosen_from, axis=-1).astype(jnp.int32)
     if sampling:
         sampled = _sample_filtered(chosen_from, temperature, top_k, top_p, min_p, seeds, positions)

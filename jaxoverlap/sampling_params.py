@@ -6,6 +6,7 @@ import math
 import operator
 
 from jaxoverlap.errors import InvalidRequestError
+from jaxoverlap.structured import StructuredOutput
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.top_logprobs at most (what OpenAI's API allows)
 MAX_LOGIT_BIAS = 64  # tokens one request's logit_bias may name (a fixed-width row on the device: penalties.py)
@@ -58,6 +59,11 @@ class SamplingParams:
     # new_text). For callers that decode elsewhere, e.g. the gRPC server's handlers, which
     # keep that work off the engine's thread (outputs.OutputText), or that need ids only.
     detokenize: bool = True
+    # The output follows a JSON schema, a regex, a choice of strings or a grammar
+    # (structured.py): a StructuredOutput, or a dict of its fields such as
+    # {"json_schema": {...}} or {"regex": "..."}. Such a request needs a tokenizer, runs
+    # its steps without overlap, and stops when its grammar is complete.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         # Accept lists (and a bare string for `stop`) from callers; store tuples so the object stays hashable.
@@ -69,6 +75,7 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "structured_output", StructuredOutput.of(self.structured_output))
         self.validate()
 
     def samples(self) -> tuple["SamplingParams", ...]:
@@ -144,6 +151,9 @@ class SamplingParams:
             bad(f"prompt_logprobs_start must be an integer >= 1, got {self.prompt_logprobs_start!r}")
         if self.stop and not self.detokenize:
             bad("stop strings need the engine's text: detokenize must be True")
+        if self.structured_output is not None and self.min_new_tokens:
+            # The grammar may allow only EOS where min_new_tokens forbids it.
+            bad("min_new_tokens cannot be combined with structured_output (its grammar decides where output ends)")
 
 
 def _finite(x) -> bool:

@@ -209,6 +209,7 @@ def decode_step(
     params: ModelParams,
     state: DeviceState,
     inputs: DecodeInputs,
+    allowed: jax.Array | None = None,
     *,
     cfg: ModelConfig,
     ctx_len: int,
@@ -219,7 +220,9 @@ def decode_step(
     state_sharding=None,
 ):
     """One plain decoding step for B rows: one token per row, everything read from the relay.
-    `top_logprobs` (static): also return each row's TOP_LOGPROBS most likely tokens."""
+    `top_logprobs` (static): also return each row's TOP_LOGPROBS most likely tokens.
+    `allowed` [B, ceil(V / 32)] int32: the tokens each row may take (structured output, a
+    bitmask; None: any)."""
     entries = inputs.entries  # [B] int32, padded rows on entry 0
     req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
     relay = state.relay
@@ -244,6 +247,7 @@ def decode_step(
     next_tokens, logprobs = sample(
         logits, relay.temperature[entries], relay.top_k[entries], relay.top_p[entries],
         relay.min_p[entries], relay.seed[entries], lens + 1, sampling=sampling, penalties=row_penalties,
+        allowed=allowed,
     )
     relay = _write_relay(relay, entries, lens + 1, next_tokens)
     state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
@@ -316,10 +320,13 @@ class PrefillInputs:
     penalties: PrefillPenaltyInputs | None = None
     # Some row asked for top logprobs (static: a program of its own, like `targets`).
     top_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # Structured output: [R, ceil(V / 32)] int32, the tokens each row's sample may take (a
+    # bitmask, all bits set for other rows); None (a program without it) when no row has one.
+    allowed: jax.Array | None = None
 
 
 def sample_after_chunks(params: ModelParams, last_hidden, entries, starts, kv_lens, row_params, penalty, *,
-                        count: int, sampling: bool, top_logprobs: bool):
+                        count: int, sampling: bool, top_logprobs: bool, allowed=None):
     """The token after each chunk of a prefill of R rows (last_hidden [R, D]; entries,
     starts, kv_lens [R]; row_params: temperature, top_k, top_p, min_p, seed, each [R]).
 
@@ -340,7 +347,7 @@ def sample_after_chunks(params: ModelParams, last_hidden, entries, starts, kv_le
     logits = lm_logits(params, picked(last_hidden))  # [count, V]
     row_penalties = penalties.rows(penalty, picked(entries)) if penalty is not None else None
     tokens, logprobs = sample(logits, *(picked(x) for x in row_params), picked(kv_lens), sampling=sampling,
-                              penalties=row_penalties)
+                              penalties=row_penalties, allowed=None if allowed is None else picked(allowed))
     top = tuple(back(x) for x in top_logprobs_of(logits)) if top_logprobs else None
     return back(tokens), back(logprobs), top
 
@@ -396,7 +403,7 @@ def prefill_step(
     next_tokens, logprobs, top = sample_after_chunks(
         params, last_hidden, inp.entries, inp.starts, kv_lens,
         (inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed), penalty,
-        count=sampled_rows or R, sampling=sampling, top_logprobs=inp.top_logprobs)
+        count=sampled_rows or R, sampling=sampling, top_logprobs=inp.top_logprobs, allowed=inp.allowed)
     relay = _write_relay(  # a chunk's last segment writes the entry (scatter.last_segments)
         state.relay, last_segments(inp.entries, inp.starts), kv_lens, next_tokens,
         temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p, seed=inp.seed,

@@ -29,7 +29,8 @@ from jaxoverlap.server import jaxoverlap_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty",
-                   "frequency_penalty", "presence_penalty", "min_new_tokens", "top_logprobs", "logit_bias", "n")
+                   "frequency_penalty", "presence_penalty", "min_new_tokens", "top_logprobs", "logit_bias", "n",
+                   "structured_output")
 
 
 @dataclasses.dataclass
@@ -78,6 +79,22 @@ class GenerateResult:
 Prompt = str | Sequence[int] | Sequence[dict]
 
 
+def _set_structured_output(msg: pb.StructuredOutput, value: dict) -> None:
+    """SamplingParams.structured_output's dict form into the message; the server checks it."""
+    if not isinstance(value, dict) or len(value) != 1:
+        raise TypeError("structured_output is a dict of one of json_schema, json_object, regex, choice, grammar")
+    [(kind, spec)] = value.items()
+    kind = "json_schema" if kind == "json" else kind
+    if kind == "json_schema":
+        msg.json_schema = spec if isinstance(spec, str) else json.dumps(spec)
+    elif kind == "choice":
+        msg.choice.options.extend(spec)
+    elif kind in ("json_object", "regex", "grammar"):
+        setattr(msg, kind, spec)
+    else:
+        raise TypeError(f"unknown structured_output kind {kind!r}")
+
+
 def build_request(prompt: Prompt, request_id: str | None = None, *, chat_template_kwargs: dict | None = None,
                   add_generation_prompt: bool | None = None, **sampling) -> pb.GenerateRequest:
     """A GenerateRequest for a text prompt, a sequence of token ids, or chat messages (dicts
@@ -96,6 +113,8 @@ def build_request(prompt: Prompt, request_id: str | None = None, *, chat_templat
             sp.stop_token_ids.extend(int(t) for t in value)
         elif name == "logit_bias":  # {token id: bias}; JSON's string keys too
             sp.logit_bias.update({int(t): float(b) for t, b in value.items()})
+        elif name == "structured_output":  # {"json_schema": {...} or "...", "regex": ..., "choice": [...], ...}
+            _set_structured_output(sp.structured_output, value)
         else:
             setattr(sp, name, value)
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=sp)

@@ -153,6 +153,12 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         kw["stop_token_ids"] = tuple(sp.stop_token_ids)
     if sp.logit_bias:
         kw["logit_bias"] = dict(sp.logit_bias)
+    if sp.HasField("structured_output"):
+        so = sp.structured_output
+        kind = so.WhichOneof("kind")
+        if kind is None:
+            raise InvalidRequestError("invalid sampling params: structured_output sets none of its kinds")
+        kw["structured_output"] = {kind: list(so.choice.options) if kind == "choice" else getattr(so, kind)}
     return SamplingParams(**kw)
 
 
@@ -458,9 +464,11 @@ class GenerationServicer:
                 except asyncio.TimeoutError:
                     pass
             text_makers = None
-            if self.tokenizer is not None and not params.stop:
+            if self.tokenizer is not None and not params.stop and params.structured_output is None:
                 # No stop strings, so the engine needs no text: this handler makes it from the
                 # token ids, on the event loop, while the engine's thread waits for the device.
+                # (A "stop" finish then ends on a stop token, whose text OutputText leaves out;
+                # a grammar's last token is output, so those requests keep the engine's text.)
                 samples = [dataclasses.replace(sp, detokenize=False) for sp in samples]
                 text_makers = [OutputText(self.tokenizer, prompt) for _ in samples]
             loop = asyncio.get_running_loop()

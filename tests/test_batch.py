@@ -301,3 +301,21 @@ def test_cli_chat_needs_a_tokenizer(tmp_path):
     with pytest.raises(SystemExit, match="--chat needs the model's tokenizer"):
         main(["generate", "A fox", "--chat", "--model", str(model), "--max-running-requests", "2",
               "--max-context-len", "64", "--kv-cache-tokens", "256", "--page-size", "8"])
+
+
+def test_structured_output_lines(llm, tmp_path):
+    """A line's sampling_params may carry a structured_output object; a constraint that
+    cannot compile is that line's error."""
+    lines = [{"id": "j", "prompt": "Once", "sampling_params": {
+                 "max_new_tokens": 32, "ignore_eos": False,
+                 "structured_output": {"json_schema": {"type": "object", "required": ["x"], "additionalProperties": False,
+                                                       "properties": {"x": {"type": "integer", "maximum": 9}}}}}},
+             {"id": "c", "prompt": "Once", "sampling_params": {"ignore_eos": False, "max_new_tokens": 8,
+                                                               "structured_output": {"choice": ["yes", "no"]}}},
+             {"id": "bad", "prompt": "Once", "sampling_params": {"structured_output": {"regex": "(unclosed"}}}]
+    out = str(tmp_path / "out.jsonl")
+    summary = run_batch(llm, write_lines(tmp_path / "in.jsonl", lines), out, DEFAULTS, progress=False)
+    records = {r["id"]: r for r in read_records(out)}
+    assert summary.errors == 1 and "regex" in records["bad"]["error"]
+    assert list(json.loads(records["j"]["text"])) == ["x"] and records["j"]["finish_reason"] == "stop"
+    assert records["c"]["text"] in ("yes", "no")

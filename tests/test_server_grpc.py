@@ -14,6 +14,7 @@ import math
 import operator
 import os
 import random
+import re
 import time
 
 import grpc
@@ -608,3 +609,25 @@ def test_serve_command_drains_on_sigterm(tmp_path, where):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_structured_output_over_grpc(env):
+    """A JSON schema, a regex and a choice through the proto: whole outputs that follow them
+    (the streamed text is the final one, the grammar's last token included), n samples
+    too; a grammar llguidance refuses is INVALID_ARGUMENT and harms nothing else."""
+    client = env["client"]
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    for constraint, check in (({"json_schema": schema}, lambda t: set(json.loads(t)) == {"n"}),
+                              ({"regex": "[a-c]{2}-[0-9]"}, lambda t: re.fullmatch("[a-c]{2}-[0-9]", t)),
+                              ({"choice": ["north", "south"]}, lambda t: t in ("north", "south"))):
+        items = list(client.generate("Once upon a time", max_new_tokens=32, temperature=0.8, seed=2, n=2,
+                                     structured_output=constraint))
+        for k in range(2):
+            text = "".join(i.text for i in items if isinstance(i, Chunk) and i.index == k)
+            [done] = [i for i in items if isinstance(i, Completion) and i.index == k]
+            assert done.finish_reason == "stop" and check(text), (constraint, text)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate_text("Once", max_new_tokens=4, structured_output={"regex": "[a-"})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()
+    _wait_idle(env)

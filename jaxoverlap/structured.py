@@ -1,0 +1,188 @@
+"""Structured output: constrain a request's tokens to a JSON schema, a regex, a choice of
+strings or a grammar (vLLM's and SGLang's structured outputs), with llguidance.
+
+The host keeps one llguidance matcher per constrained request. Before a step that holds a
+constrained row launches, each such row's matcher gives the tokens allowed next as a
+bitmask ([rows, ceil(V / 32)] int32, bit t of word t // 32); the step's sampler sets every
+other logit to -inf (sampling.sample), greedy rows too. Each token the step returns then
+advances the matcher (Engine._check_token), and the request stops when its grammar is
+complete.
+
+The mask of step N+1 depends on step N's token, which only the device knows when the
+overlap loop prepares step N+1. So a batch that holds a constrained row waits for the step
+in flight first, as the host n-gram drafter's batches do (Engine._step_overlap): such
+batches run without overlap, all others keep it. Not with speculative decoding (refused).
+
+Host-side only (numpy and llguidance): the device side is `allowed_mask` in sampling.py.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import threading
+
+import numpy as np
+
+from jaxoverlap.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON as json.dumps writes it: no whitespace but one space after "," and ":". llguidance's
+# own default allows any whitespace between tokens, where a weak model can loop on spaces
+# and newlines until max_new_tokens. A schema's "x-guidance" object overrides these.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_CACHED_GRAMMARS = 256  # compiled grammar texts kept per engine, least recently used dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one constraint. json_schema: a JSON schema (a dict or its JSON text, stored
+    as canonical JSON text); json_object: any JSON object; regex: the whole output matches
+    it (Rust regex syntax); choice: the output is one of these strings; grammar: a Lark (or
+    GBNF) grammar in llguidance's dialect."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        schema = self.json_schema
+        if schema is not None and not isinstance(schema, str):
+            try:
+                schema = json.dumps(schema, sort_keys=True)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(f"invalid structured output: json_schema is not JSON: {e}") from None
+            object.__setattr__(self, "json_schema", schema)
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise InvalidRequestError("invalid structured output: choice must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(f"invalid structured output: give exactly one of {', '.join(KINDS)}, "
+                                      f"got {given or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise InvalidRequestError("invalid structured output: choice needs at least one string")
+        for name in ("json_schema", "regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"invalid structured output: {name} must be a string")
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutput | None":
+        """From a StructuredOutput, a dict of its fields ({"json_schema": {...}}, as JSON
+        request files give it; "json" is taken for json_schema, as vLLM names it), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"invalid structured output: expected an object with one of {', '.join(KINDS)}, "
+                                      f"got {type(value).__name__}")
+        fields = dict(value)
+        if "json" in fields:
+            fields["json_schema"] = fields.pop("json")
+        unknown = sorted(set(fields) - set(KINDS))
+        if unknown:
+            raise InvalidRequestError(f"invalid structured output: unknown field(s) {unknown}; "
+                                      f"give one of {', '.join(KINDS)}")
+        return cls(**fields)
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar of this constraint (not yet checked)."""
+        from llguidance import LLMatcher, grammar_from
+
+        if self.json_schema is not None:
+            return LLMatcher.grammar_from_json_schema(self.json_schema, defaults=JSON_LAYOUT)
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return grammar_from("choice", json.dumps(list(self.choice)))
+        try:
+            return grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to Lark
+        except ValueError as e:
+            raise InvalidRequestError(f"invalid structured output: {e}") from None
+
+
+class Grammars:
+    """An engine's structured output: its tokenizer as llguidance sees it, the grammars it
+    has compiled (checked once per distinct constraint), and the matchers and masks of its
+    requests. `vocab_size` is the model's (its logits'): ids past the tokenizer's are never
+    allowed."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self._hf = tokenizer.hf_tokenizer
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
+        self._eos = [int(t) for t in eos_token_ids] or None
+        self._tokenizer = None
+        self._grammars: collections.OrderedDict[StructuredOutput, str] = collections.OrderedDict()
+        self._lock = threading.Lock()  # add_request may be checked from several threads (check_request)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from llguidance import LLTokenizer
+
+            # From the tokenizer's JSON, as llguidance's transformers bridge does (no transformers here).
+            self._tokenizer = LLTokenizer(self._hf.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
+        return self._tokenizer
+
+    def check(self, spec: StructuredOutput) -> str:
+        """The checked grammar of `spec`; InvalidRequestError with llguidance's message if it
+        is none (a schema it cannot compile, a bad regex)."""
+        with self._lock:
+            grammar = self._grammars.get(spec)
+            if grammar is not None:
+                self._grammars.move_to_end(spec)
+                return grammar
+        from llguidance import LLMatcher
+
+        text = spec.grammar_text()
+        error = LLMatcher.validate_grammar(text, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise InvalidRequestError(f"invalid structured output: {error.strip()}")
+        with self._lock:
+            self._grammars[spec] = text
+            while len(self._grammars) > MAX_CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return text
+
+    def matcher(self, spec: StructuredOutput):
+        """A fresh matcher at the start of `spec`'s grammar."""
+        from llguidance import LLMatcher
+
+        return LLMatcher(self.tokenizer, self.check(spec), log_level=0)
+
+    def bitmask(self, rows, num_rows: int, sampled=None) -> np.ndarray | None:
+        """The allowed tokens of a step's rows ([num_rows, words] int32, every bit set for
+        rows without a constraint and for padding), or None when no row is constrained.
+        `sampled(i)`: whether row i's token is the request's (prefill chunks before the
+        last sample nothing that is kept)."""
+        constrained = [(i, row.req.matcher) for i, row in enumerate(rows)
+                       if row.req.matcher is not None and (sampled is None or sampled(i))]
+        if not constrained:
+            return None
+        from llguidance.numpy import fill_next_token_bitmask
+
+        mask = np.full((num_rows, self.words), -1, np.int32)
+        for i, matcher in constrained:
+            if matcher.is_stopped() or matcher.is_error():
+                continue  # a row whose request ended meanwhile: its token is dropped
+            fill_next_token_bitmask(matcher, mask, i)
+        return mask
+
+
+def advance(req) -> str | None:
+    """Feed a constrained request's newest token to its matcher: "stop" once the grammar is
+    complete, "abort" if the token broke it (it cannot, while the mask holds), else None."""
+    matcher = req.matcher
+    if not matcher.consume_token(req.output_ids[-1]):
+        logger.warning("request %s: token %d is outside its structured output (%s); ending it",
+                       req.request_id, req.output_ids[-1], matcher.get_error())
+        return "abort"
+    return "stop" if matcher.is_stopped() else None
