@@ -2,6 +2,7 @@
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.outputs import GenerationResult, RequestMetrics, RequestOutput
 from jaxoverlap.sampling_params import SamplingParams
+from jaxoverlap.structured import StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics", "GenerationResult"]
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutput", "RequestOutput", "RequestMetrics",
+           "GenerationResult"]

@@ -83,6 +83,8 @@ class StructuredOutput:
                                       f"got {type(value).__name__}")
         fields = dict(value)
         if "json" in fields:
+            if "json_schema" in fields:
+                raise InvalidRequestError("invalid structured output: give json or json_schema, not both")
             fields["json_schema"] = fields.pop("json")
         unknown = sorted(set(fields) - set(KINDS))
         if unknown:
@@ -112,13 +114,18 @@ class Grammars:
     """An engine's structured output: its tokenizer as llguidance sees it, the grammars it
     has compiled (checked once per distinct constraint), and the matchers and masks of its
     requests. `vocab_size` is the model's (its logits'): ids past the tokenizer's are never
-    allowed."""
+    allowed, nor are those the model has no logit for."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self._hf = tokenizer.hf_tokenizer
+        # The model's logits are usually padded past the tokenizer's ids; where a model has
+        # fewer (a test model), the mask still covers every token id, and the sampler reads
+        # only its own vocabulary's part of it.
+        vocab_size = max(vocab_size, tokenizer.vocab_size)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
-        self._eos = [int(t) for t in eos_token_ids] or None
+        # EOS ids the tokenizer has (llguidance refuses others); none: the tokenizer's own.
+        self._eos = [int(t) for t in eos_token_ids if int(t) < vocab_size] or None
         self._tokenizer = None
         self._grammars: collections.OrderedDict[StructuredOutput, str] = collections.OrderedDict()
         self._lock = threading.Lock()  # add_request may be checked from several threads (check_request)

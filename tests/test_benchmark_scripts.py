@@ -63,6 +63,18 @@ def test_spec_bench(tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_structured_bench(tmp_path):
+    res = run_script(tmp_path, "structured_bench", "--tiny", "--batches", "1", "4", "--new-tokens", "8",
+                     "--repeats", "1")
+    rows = {(r["batch"], r["variant"]): r for r in res["rows"]}
+    assert set(rows) == {(1, "none"), (1, "all"), (4, "none"), (4, "all"), (4, "one")}
+    for r in rows.values():
+        assert r["not_full_length"] == 0, r  # the free-text regex never ends a request early
+        assert r["period_ms"] > 0 and r["host_ms"] > 0
+    assert rows[(4, "none")]["vs_unconstrained"] == 1.0
+
+
+@pytest.mark.timeout(400)
 def test_spec_divergence_probe(tmp_path):
     """On the tiny float32 model every variant gives the reference's greedy tokens, also when
     run again on the same engine; the JSON lists the differences (none) per variant."""

@@ -104,6 +104,7 @@ def test_constrained_requests_survive_retraction():
     ({"json_schema": {}, "format": "x"}, "unknown field"),
     ({"choice": []}, "at least one"),
     ({"choice": "red"}, "list of strings"),
+    ({"json": {}, "json_schema": {}}, "not both"),
     ("json", "expected an object"),
 ])
 def test_bad_constraints_are_refused_and_others_keep_running(llm, constraint, match):

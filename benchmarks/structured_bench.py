@@ -1,0 +1,108 @@
+"""What structured output costs a decode step: the same batch (Qwen3-8B shapes, dummy
+weights) unconstrained, with every row constrained, and with one row of the batch
+constrained, overlap on. A step with a constrained row waits for the step in flight (its
+allowed tokens follow from that step's token), builds each constrained row's bitmask on the
+host, sends it, and the sampler masks the logits: the table gives the step period, the
+host's time per step and tokens/s of each.
+
+The dummy model has no tokenizer, so the embedded default model's (1024 tokens) stands in:
+llguidance's mask work per row grows with the tokenizer's vocabulary, so this host figure
+is a lower bound for a real 150k-token one; the mask sent and applied is the model's full
+vocabulary either way.
+
+    python benchmarks/structured_bench.py --batches 1 32 --new-tokens 64
+    python benchmarks/structured_bench.py --tiny
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_table, write_results  # noqa: E402
+
+# Free text of letters and spaces: never complete before max_new_tokens, so every row runs
+# the whole workload (steady state), yet every step is masked.
+REGEX = "[a-z ]{1,2000}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each variant, in turn")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default="structured_bench.json")
+    args = ap.parse_args()
+    ensure_importable()
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+    from jaxoverlap.models.config import ModelConfig
+    from jaxoverlap.models.loader import default_model_path, dummy_params
+    from jaxoverlap.models.tokenizer import Tokenizer
+    from jaxoverlap.sampling_params import SamplingParams
+
+    hf = TINY if args.tiny else QWEN3_8B
+    cfg = ModelConfig.from_hf_dict(hf)
+    dtype = "float32" if args.tiny else "bfloat16"
+    params = dummy_params(cfg, jnp.dtype(dtype), seed=0)
+    tokenizer = Tokenizer.from_path(default_model_path())
+    max_b = max(args.batches)
+    engine = Engine(EngineConfig(
+        model=model_dir(hf), load_format="dummy", dtype=dtype, max_running_requests=max_b, max_context_len=512,
+        kv_cache_tokens=max_b * 512, page_size=16, batch_buckets=tuple(sorted(args.batches)),
+        disable_prefix_cache=True), model_config=cfg, params=params, tokenizer=tokenizer)
+
+    def run(B: int, constrained: int, seed: int) -> dict:
+        rng = np.random.default_rng(seed)
+        for i in range(B):
+            so = {"regex": REGEX} if i < constrained else None
+            sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True,
+                                structured_output=so, detokenize=False)
+            engine.add_request(f"{seed}-{i}", [int(t) for t in rng.integers(1, min(1000, cfg.vocab_size), args.prompt_len)], sp)
+        start, t = len(engine.timings), time.perf_counter()
+        finals = {}
+        while engine.has_work():
+            for o in engine.step():
+                if o.finished:
+                    finals[o.request_id] = o
+        wall = time.perf_counter() - t
+        dec = [x for x in list(engine.timings)[start:] if x.kind == "decode" and x.batch_size == B]
+        period = median([x.prepare_s + x.launch_s + x.wait_s + x.process_s + x.fresh_wait_s for x in dec])
+        host = median([x.prepare_s + x.launch_s + x.process_s + x.fresh_process_s for x in dec])
+        bad = sum(f.finish_reason != "length" or len(f.token_ids) != args.new_tokens for f in finals.values())
+        return {"period_ms": period * 1e3, "host_ms": host * 1e3, "tok_s": B / period if dec else float("nan"),
+                "wall_s": wall, "not_full_length": bad}
+
+    rows = []
+    for B in args.batches:
+        variants = [("none", 0), ("all", B)] + ([("one", 1)] if B > 1 else [])
+        for _, n in variants:  # compile every variant's programs outside the timed runs
+            run(B, n, seed=99)
+        got = {name: [] for name, _ in variants}
+        for rep in range(args.repeats):
+            for name, n in variants:
+                got[name].append(run(B, n, seed=rep))
+        base = median([r["period_ms"] for r in got["none"]])
+        for name, n in variants:
+            res = got[name]
+            period = median([r["period_ms"] for r in res])
+            rows.append({"batch": B, "constrained_rows": n, "variant": name, "period_ms": period,
+                         "vs_unconstrained": period / base, "host_ms": median([r["host_ms"] for r in res]),
+                         "tok_s": median([r["tok_s"] for r in res]),
+                         "not_full_length": sum(r["not_full_length"] for r in res)})
+            print_table(rows[-1:], list(rows[-1]))
+    print("\nsummary (period: median decode loop iteration; host: prepare + launch + process, the wait for a "
+          "constrained batch's previous step excluded)")
+    print_table(rows, list(rows[0]))
+    write_results(args.out, args, rows, regex=REGEX)
+
+
+if __name__ == "__main__":
+    main()
