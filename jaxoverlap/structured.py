@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -40,7 +41,8 @@ MAX_CACHED_GRAMMARS = 256  # compiled grammar texts kept per engine, least recen
 @dataclasses.dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one constraint. json_schema: a JSON schema (a dict or its JSON text, stored
-    as canonical JSON text); json_object: any JSON object; regex: the whole output matches
+    as JSON text, its keys in the order given: an object's properties come out in the order
+    the schema lists them); json_object: any JSON object; regex: the whole output matches
     it (Rust regex syntax); choice: the output is one of these strings; grammar: a Lark (or
     GBNF) grammar in llguidance's dialect."""
 
@@ -54,7 +56,7 @@ class StructuredOutput:
         schema = self.json_schema
         if schema is not None and not isinstance(schema, str):
             try:
-                schema = json.dumps(schema, sort_keys=True)
+                schema = json.dumps(schema)  # keys in their order: the output's properties follow it
             except (TypeError, ValueError) as e:
                 raise InvalidRequestError(f"invalid structured output: json_schema is not JSON: {e}") from None
             object.__setattr__(self, "json_schema", schema)
@@ -125,7 +127,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
         # EOS ids the tokenizer has (llguidance refuses others); none: the tokenizer's own.
-        self._eos = [int(t) for t in eos_token_ids if int(t) < vocab_size] or None
+        self._eos = [int(t) for t in eos_token_ids if int(t) < tokenizer.vocab_size] or None
         self._tokenizer = None
         self._grammars: collections.OrderedDict[StructuredOutput, str] = collections.OrderedDict()
         self._lock = threading.Lock()  # add_request may be checked from several threads (check_request)
@@ -174,14 +176,22 @@ class Grammars:
                        if row.req.matcher is not None and (sampled is None or sampled(i))]
         if not constrained:
             return None
-        from llguidance.numpy import fill_next_token_bitmask
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
         mask = np.full((num_rows, self.words), -1, np.int32)
-        for i, matcher in constrained:
-            if matcher.is_stopped() or matcher.is_error():
-                continue  # a row whose request ended meanwhile: its token is dropped
-            fill_next_token_bitmask(matcher, mask, i)
+        # A row whose request ended meanwhile keeps every bit: its token is dropped.
+        live = [(m, i) for i, m in constrained if not (m.is_stopped() or m.is_error())]
+        if len(live) == 1:
+            fill_next_token_bitmask(live[0][0], mask, live[0][1])
+        elif live:  # the rows' masks at once, on llguidance's threads (outside the GIL)
+            fill_next_token_bitmask_par(self.executor, live, mask)
         return mask
+
+    @functools.cached_property
+    def executor(self):
+        from llguidance import LLExecutor
+
+        return LLExecutor()
 
 
 def advance(req) -> str | None:

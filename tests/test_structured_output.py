@@ -27,7 +27,7 @@ def llm():
 
 def _check_schema(text: str) -> None:
     value = json.loads(text)
-    assert set(value) == {"name", "age", "ok"}, value
+    assert list(value) == ["name", "age", "ok"], value  # in the schema's order
     assert isinstance(value["name"], str) and len(value["name"]) <= 8
     assert isinstance(value["age"], int) and 0 <= value["age"] <= 120
     assert isinstance(value["ok"], bool)
@@ -121,9 +121,10 @@ def test_what_cannot_be_combined_is_refused():
              kv_cache_tokens=256, page_size=8) as spec:
         with pytest.raises(InvalidRequestError, match="speculative"):
             spec.generate(["Once"], SamplingParams(structured_output={"choice": COLORS}))
-    # Dicts and "json" (vLLM's name) become the same constraint, hashable for the grammar cache.
+    # Dicts and "json" (vLLM's name) become the same constraint, hashable for the grammar cache;
+    # the schema's keys keep their order (its properties are written in that order).
     a = StructuredOutput.of({"json": {"b": 1, "a": 2}})
-    assert a == StructuredOutput(json_schema='{"a": 2, "b": 1}') and hash(a) == hash(StructuredOutput.of(a))
+    assert a == StructuredOutput(json_schema='{"b": 1, "a": 2}') and hash(a) == hash(StructuredOutput.of(a))
 
 
 def test_the_device_mask_reads_llguidance_bitmasks():
@@ -138,3 +139,35 @@ def test_the_device_mask_reads_llguidance_bitmasks():
     logits = np.zeros((3, vocab), np.float32)
     apply_token_bitmask_inplace(logits, bitmask)
     np.testing.assert_array_equal(np.asarray(allowed_mask(bitmask, vocab)), np.isfinite(logits))
+
+
+def test_masks_with_a_model_vocabulary_other_than_the_tokenizers():
+    """A model whose logits outnumber the tokenizer's ids (padded embeddings), with EOS ids
+    the tokenizer lacks (a stand-in tokenizer): the grammar still compiles, the mask covers
+    the model's vocabulary, and no id past the tokenizer's is allowed; the masks of several
+    rows at once (llguidance's threads) equal one-by-one masks."""
+    from types import SimpleNamespace
+
+    from llguidance.numpy import fill_next_token_bitmask
+
+    from jaxoverlap.models.loader import default_model_path
+    from jaxoverlap.models.tokenizer import Tokenizer
+    from jaxoverlap.sampling import allowed_mask
+    from jaxoverlap.structured import Grammars
+
+    tok = Tokenizer.from_path(default_model_path())
+    grammars = Grammars(tok, 4096, [4000, 4001])
+    spec = StructuredOutput(json_schema=SCHEMA)
+    rows = [SimpleNamespace(req=SimpleNamespace(matcher=grammars.matcher(spec))) for _ in range(3)]
+    for t in tok.encode('{"name": "a'):
+        rows[1].req.matcher.consume_token(t)
+    rows.append(SimpleNamespace(req=SimpleNamespace(matcher=None)))  # an unconstrained row
+    mask = grammars.bitmask(rows, 5)
+    assert mask.shape == (5, 4096 // 32)
+    one = np.full_like(mask, -1)
+    for i in range(3):
+        fill_next_token_bitmask(rows[i].req.matcher, one, i)
+    np.testing.assert_array_equal(mask, one)
+    allowed = np.asarray(allowed_mask(mask, 4096))
+    assert allowed[3:].all() and not allowed[:3, tok.vocab_size:].any()
+    assert allowed[0].sum() == 1 and not np.array_equal(allowed[0], allowed[1])  # '{' first, then string text
