@@ -104,12 +104,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="no EOS or stop token id among the first this many output tokens")
     g.add_argument("--prompt-logprobs", action="store_true",
                    help="each prompt token's logprob given the ones before it (loglikelihood scoring)")
+    add_structured_output_args(g)
+
+
+def add_structured_output_args(g) -> None:
+    g.add_argument("--json-schema", default=None,
+                   help="structured output: the output follows this JSON schema (JSON text, or a file holding it)")
+    g.add_argument("--regex", default=None, help="structured output: the whole output matches this regex")
+    g.add_argument("--choice", nargs="+", default=None, help="structured output: the output is one of these strings")
 
 
 def sampling_params(args: argparse.Namespace):
     from jaxoverlap.sampling_params import SamplingParams
+    from jaxoverlap.structured import from_command_line
 
     return SamplingParams(
+        structured_output=from_command_line(args.json_schema, args.regex, args.choice),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, seed=args.sampling_seed, n=args.n, stop=tuple(args.stop),
         stop_token_ids=tuple(args.stop_token_ids),

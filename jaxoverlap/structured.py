@@ -112,6 +112,27 @@ class StructuredOutput:
             raise InvalidRequestError(f"invalid structured output: {e}") from None
 
 
+def from_command_line(json_schema: str | None = None, regex: str | None = None,
+                      choice: list[str] | None = None) -> dict | None:
+    """The structured_output of the commands' --json-schema (JSON text, or the path of a
+    file holding it), --regex and --choice options; None when none is given."""
+    given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("choice", choice)) if v}
+    if len(given) > 1:
+        raise InvalidRequestError("give one of --json-schema, --regex and --choice")
+    if "json_schema" in given and not given["json_schema"].lstrip().startswith("{"):
+        try:
+            with open(given["json_schema"], encoding="utf-8") as f:
+                given["json_schema"] = f.read()
+        except OSError as e:
+            raise InvalidRequestError(f"--json-schema is neither a JSON object nor a readable file: {e}") from None
+    if "json_schema" in given:
+        try:
+            given["json_schema"] = json.loads(given["json_schema"])
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"--json-schema is not JSON: {e}") from None
+    return given or None
+
+
 class Grammars:
     """An engine's structured output: its tokenizer as llguidance sees it, the grammars it
     has compiled (checked once per distinct constraint), and the matchers and masks of its

@@ -214,6 +214,10 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--presence-penalty", type=float, default=None)
     _add(g, "--min-new-tokens", type=int, default=None)
     _add(g, "--logit-bias", type=json.loads, default=None, help='JSON object {token id: bias}, e.g. \'{"5": -100}\'')
+    _add(g, "--json-schema", default=None,
+         help="structured output: the output follows this JSON schema (JSON text, or a file holding it)")
+    _add(g, "--regex", default=None, help="structured output: the whole output matches this regex")
+    _add(g, "--choice", nargs="+", default=None, help="structured output: the output is one of these strings")
     g = parser.add_argument_group("other calls (instead of generating)")
     _add(g, "--info", action="store_true", help="print model and server info as JSON")
     _add(g, "--health", action="store_true", help="print the health status")
@@ -231,7 +235,9 @@ def _ids(text: str | None):
 def run_client(args) -> int:
     import grpc
 
+    from jaxoverlap.errors import InvalidRequestError
     from jaxoverlap.server.client import Chunk, GenerationClient
+    from jaxoverlap.structured import from_command_line
 
     client = GenerationClient(args.target, token=args.token, tls_ca=args.tls_ca, tls=args.tls,
                               tls_server_name=args.tls_server_name, timeout=args.timeout)
@@ -257,6 +263,11 @@ def run_client(args) -> int:
                         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                         presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens,
                         logit_bias=args.logit_bias)
+        try:
+            sampling["structured_output"] = from_command_line(args.json_schema, args.regex, args.choice)
+        except InvalidRequestError as e:
+            print(e, file=sys.stderr)
+            return 2
         prompt = args.prompt if token_ids is None else token_ids
         if args.chat:
             if token_ids is not None:

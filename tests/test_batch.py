@@ -319,3 +319,25 @@ def test_structured_output_lines(llm, tmp_path):
     assert summary.errors == 1 and "regex" in records["bad"]["error"]
     assert list(json.loads(records["j"]["text"])) == ["x"] and records["j"]["finish_reason"] == "stop"
     assert records["c"]["text"] in ("yes", "no")
+
+
+def test_cli_structured_output_options(tmp_path, capsys):
+    """`jaxoverlap generate --choice / --json-schema FILE`: the printed text follows them;
+    two constraints at once, or a schema that is neither JSON nor a file, stop before the
+    model loads."""
+    from jaxoverlap.cli import main
+
+    engine = ["--max-running-requests", "2", "--max-context-len", "64", "--kv-cache-tokens", "256", "--page-size", "8"]
+    assert main(["generate", "Once upon a time", "--choice", "red", "green", "--max-new-tokens", "8", *engine]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]  # the prompt, then the generated text
+    assert out.startswith("Once upon a time") and out[len("Once upon a time"):] in ("red", "green"), out
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["k"], "additionalProperties": False,
+                                  "properties": {"k": {"type": "boolean"}}}))
+    assert main(["generate", "Once", "--json-schema", str(schema), "--max-new-tokens", "16", *engine]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(out[len("Once"):]) in ({"k": True}, {"k": False}), out
+    with pytest.raises(SystemExit, match="one of --json-schema, --regex and --choice"):
+        main(["generate", "Once", "--regex", "a+", "--choice", "x", *engine])
+    with pytest.raises(SystemExit, match="neither a JSON object nor a readable file"):
+        main(["generate", "Once", "--json-schema", str(tmp_path / "missing.json"), *engine])

@@ -711,6 +711,32 @@ def test_client_cli(served, capsys):
     assert json.loads(capsys.readouterr().out)["model"]["model_name"] == "fake-model"
     assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--abort", "nope"])) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
+    assert cli_commands.run_client(parser.parse_args(["--target", st.target, "hi", "--regex", "a+",
+                                                      "--choice", "x"])) == 2
+    assert "one of --json-schema, --regex and --choice" in capsys.readouterr().err
+
+
+def test_structured_output_through_the_proto():
+    """The client's dict form, to the message and back to SamplingParams on the server."""
+    from jaxoverlap.server.grpc_server import sampling_params_from_proto
+    from jaxoverlap.structured import StructuredOutput
+
+    schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
+    for given, want in (({"json_schema": schema}, StructuredOutput(json_schema=json.dumps(schema))),
+                        ({"json": json.dumps(schema)}, StructuredOutput(json_schema=json.dumps(schema))),
+                        ({"choice": ["x", "y"]}, StructuredOutput(choice=("x", "y"))),
+                        ({"regex": "a+"}, StructuredOutput(regex="a+")),
+                        ({"json_object": True}, StructuredOutput(json_object=True)),
+                        ({"grammar": "start: \"a\""}, StructuredOutput(grammar='start: "a"'))):
+        req = build_request("hi", structured_output=given)
+        assert sampling_params_from_proto(req.sampling_params).structured_output == want, given
+    assert sampling_params_from_proto(build_request("hi").sampling_params).structured_output is None
+    with pytest.raises(TypeError, match="structured_output"):
+        build_request("hi", structured_output={"regex": "a", "choice": ["b"]})
+    empty = pb.SamplingParams()
+    empty.structured_output.SetInParent()  # the message sent with none of its kinds
+    with pytest.raises(InvalidRequestError, match="none of its kinds"):
+        sampling_params_from_proto(empty)
 
 
 def test_lead_cli_parses_server_subcommands():
