@@ -546,6 +546,10 @@ class Scheduler:
         return updated
 
     def _check_stop(self, req: Request) -> str | None:
+        if req.matcher is not None and req.matcher.is_error():
+            # Its structured output failed while the token's mask was made (a parser limit):
+            # the mask allowed EOS only, which must not read as a completed output.
+            return "abort"
         if req.output_ids[-1] in req.stop_ids:
             return "stop"
         reason = self.stop_checker(req)

@@ -54,12 +54,18 @@ class StructuredOutput:
 
     def __post_init__(self):
         schema = self.json_schema
-        if schema is not None and not isinstance(schema, str):
+        if schema is not None:
             try:
-                schema = json.dumps(schema)  # keys in their order: the output's properties follow it
+                value = json.loads(schema) if isinstance(schema, str) else schema
+                text = schema if isinstance(schema, str) else json.dumps(schema)  # keys in their order
             except (TypeError, ValueError) as e:
                 raise InvalidRequestError(f"invalid structured output: json_schema is not JSON: {e}") from None
-            object.__setattr__(self, "json_schema", schema)
+            if not isinstance(value, dict):
+                raise InvalidRequestError(f"invalid structured output: json_schema must be a JSON object (a schema), "
+                                          f"got {type(value).__name__}")
+            object.__setattr__(self, "json_schema", text)
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError("invalid structured output: json_object must be true or false")
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
                 raise InvalidRequestError("invalid structured output: choice must be a list of strings")
@@ -98,15 +104,15 @@ class StructuredOutput:
         """The llguidance grammar of this constraint (not yet checked)."""
         from llguidance import LLMatcher, grammar_from
 
-        if self.json_schema is not None:
-            return LLMatcher.grammar_from_json_schema(self.json_schema, defaults=JSON_LAYOUT)
-        if self.json_object:
-            return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
-        if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return grammar_from("choice", json.dumps(list(self.choice)))
-        try:
+        try:  # llguidance's builders raise ValueError themselves for some inputs (UnicodeError is one)
+            if self.json_schema is not None:
+                return LLMatcher.grammar_from_json_schema(self.json_schema, defaults=JSON_LAYOUT)
+            if self.json_object:
+                return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
+            if self.regex is not None:
+                return LLMatcher.grammar_from_regex(self.regex)
+            if self.choice is not None:
+                return grammar_from("choice", json.dumps(list(self.choice)))
             return grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to Lark
         except ValueError as e:
             raise InvalidRequestError(f"invalid structured output: {e}") from None
@@ -173,7 +179,7 @@ class Grammars:
         from llguidance import LLMatcher
 
         text = spec.grammar_text()
-        error = LLMatcher.validate_grammar(text, self.tokenizer)
+        error = LLMatcher.validate_grammar(text, self.tokenizer, limits=self.limits)
         if error and not error.startswith("WARNING"):
             raise InvalidRequestError(f"invalid structured output: {error.strip()}")
         with self._lock:
@@ -186,7 +192,14 @@ class Grammars:
         """A fresh matcher at the start of `spec`'s grammar."""
         from llguidance import LLMatcher
 
-        return LLMatcher(self.tokenizer, self.check(spec), log_level=0)
+        return LLMatcher(self.tokenizer, self.check(spec), log_level=0, limits=self.limits)
+
+    @functools.cached_property
+    def limits(self):
+        from llguidance import LLParserLimits
+
+        # Default limits, but short errors: a verbose one holds the whole grammar and parser state.
+        return LLParserLimits(verbose_errors=False)
 
     def bitmask(self, rows, num_rows: int, sampled=None) -> np.ndarray | None:
         """The allowed tokens of a step's rows ([num_rows, words] int32, every bit set for
@@ -206,6 +219,11 @@ class Grammars:
             fill_next_token_bitmask(live[0][0], mask, live[0][1])
         elif live:  # the rows' masks at once, on llguidance's threads (outside the GIL)
             fill_next_token_bitmask_par(self.executor, live, mask)
+        for m, i in live:
+            if m.is_error():
+                # A parser limit hit while computing the mask (the mask then allows EOS only):
+                # the row's token ends its request with "abort" (Scheduler._check_stop).
+                logger.warning("structured output of row %d failed: %s", i, m.get_error())
         return mask
 
     @functools.cached_property
@@ -219,7 +237,7 @@ def advance(req) -> str | None:
     """Feed a constrained request's newest token to its matcher: "stop" once the grammar is
     complete, "abort" if the token broke it (it cannot, while the mask holds), else None."""
     matcher = req.matcher
-    if not matcher.consume_token(req.output_ids[-1]):
+    if not matcher.consume_token(req.output_ids[-1]) or matcher.is_error():  # is_stopped() holds in error too
         logger.warning("request %s: token %d is outside its structured output (%s); ending it",
                        req.request_id, req.output_ids[-1], matcher.get_error())
         return "abort"

@@ -105,6 +105,10 @@ def test_constrained_requests_survive_retraction():
     ({"choice": []}, "at least one"),
     ({"choice": "red"}, "list of strings"),
     ({"json": {}, "json_schema": {}}, "not both"),
+    ({"json_schema": "{not json"}, "not JSON"),
+    ({"json_schema": "[1]"}, "must be a JSON object"),
+    ({"json_schema": True}, "must be a JSON object"),
+    ({"json_object": "yes"}, "true or false"),
     ("json", "expected an object"),
 ])
 def test_bad_constraints_are_refused_and_others_keep_running(llm, constraint, match):
@@ -171,3 +175,22 @@ def test_masks_with_a_model_vocabulary_other_than_the_tokenizers():
     allowed = np.asarray(allowed_mask(mask, 4096))
     assert allowed[3:].all() and not allowed[:3, tok.vocab_size:].any()
     assert allowed[0].sum() == 1 and not np.array_equal(allowed[0], allowed[1])  # '{' first, then string text
+
+
+def test_a_grammar_that_fails_while_a_mask_is_made_ends_with_abort(llm, monkeypatch):
+    """A parser limit hit while a row's mask is computed leaves llguidance's matcher in error
+    with a mask of EOS only: the request ends "abort", never "stop" with broken output."""
+    from llguidance import LLParserLimits
+
+    grammars = llm.engine.grammars
+    monkeypatch.setattr(grammars, "limits", LLParserLimits(step_lexer_fuel=10, verbose_errors=False))
+    grammars._grammars.clear()  # checked again under the tight limits
+    try:
+        for ignore_eos in (False, True):
+            [res] = llm.generate(["Once"], SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=ignore_eos,
+                                                          structured_output={"json_schema": SCHEMA}))
+            assert res.finish_reason == "abort", (ignore_eos, res.text, res.finish_reason)
+    finally:
+        grammars._grammars.clear()
+    assert llm.engine._constrained == 0 and llm.engine.runner.allowed_tokens is None
+    llm.engine.check_integrity()
