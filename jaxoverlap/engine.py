@@ -187,6 +187,14 @@ def compilation_cache_dir(option: str | None) -> str | None:
     return os.path.join(root, "jaxoverlap", "jax_compilation_cache")
 
 
+def _cut_at_stop_string(req: Request) -> bool:
+    """Cut the request's unsent text before the first of its stop strings in it; whether one was."""
+    hits = [i for s in req.params.stop if (i := req.pending_text.find(s)) >= 0]
+    if hits:
+        req.pending_text = req.pending_text[: min(hits)]
+    return bool(hits)
+
+
 def _int_list(prompt) -> list[int]:
     """Token ids as a list of Python ints; anything but integers (bools included) raises.
 
@@ -657,14 +665,7 @@ class Engine:
         if req.detok is None:
             return None
         req.pending_text += req.detok.step(req.output_ids[-1])
-        stops = req.params.stop
-        if not stops:
-            return None
-        hits = [i for s in stops if (i := req.pending_text.find(s)) >= 0]
-        if hits:
-            req.pending_text = req.pending_text[: min(hits)]
-            return "stop"
-        return None
+        return "stop" if req.params.stop and _cut_at_stop_string(req) else None
 
     def _make_outputs(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
         reqs = updated
@@ -681,11 +682,8 @@ class Engine:
                 req.pending_text += req.detok.flush()
                 # What the decoder held back (complete characters in front of a cut one) never
                 # met the stop check: a stop string in it still ends the text.
-                hits = [i for s in params.stop if (i := req.pending_text.find(s)) >= 0]
-                if hits:
-                    req.pending_text = req.pending_text[: min(hits)]
-                    if req.finish_reason == "length":
-                        req.finish_reason = "stop"
+                if _cut_at_stop_string(req) and req.finish_reason == "length":
+                    req.finish_reason = "stop"
             new_ids = req.output_ids[req.num_emitted:]
             new_lp = req.output_logprobs[req.num_emitted:] if params.logprobs else None
             new_top = req.output_top_logprobs[req.num_emitted:] if req.output_top_logprobs is not None else None

@@ -482,8 +482,8 @@ class ModelRunner:
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
                       sampling=sampling, **({"top_logprobs": True} if top else {}), **self._layout_static)
         if self.spec is None:
-            return steps.decode_step, (self.params, self.state, inputs) + ((allowed,) if allowed is not None else ()), \
-                static
+            args = (self.params, self.state, inputs) if allowed is None else (self.params, self.state, inputs, allowed)
+            return steps.decode_step, args, static
         from jaxoverlap.speculative.step import spec_decode_step
 
         return (spec_decode_step, (self.params, self.drafter.params, self.state, inputs, host_drafts),

@@ -125,15 +125,16 @@ def from_command_line(json_schema: str | None = None, regex: str | None = None,
     given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("choice", choice)) if v}
     if len(given) > 1:
         raise InvalidRequestError("give one of --json-schema, --regex and --choice")
-    if "json_schema" in given and not given["json_schema"].lstrip().startswith("{"):
-        try:
-            with open(given["json_schema"], encoding="utf-8") as f:
-                given["json_schema"] = f.read()
-        except OSError as e:
-            raise InvalidRequestError(f"--json-schema is neither a JSON object nor a readable file: {e}") from None
     if "json_schema" in given:
+        text = given["json_schema"]
+        if not text.lstrip().startswith("{"):  # a file's path
+            try:
+                with open(text, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise InvalidRequestError(f"--json-schema is neither a JSON object nor a readable file: {e}") from None
         try:
-            given["json_schema"] = json.loads(given["json_schema"])
+            given["json_schema"] = json.loads(text)
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"--json-schema is not JSON: {e}") from None
     return given or None

@@ -288,10 +288,14 @@ def _stats(values, scale: float = 1000.0) -> dict:
             "std": float(a.std())}
 
 
+def _tpot(r: "RequestResult") -> float | None:
+    """Time per output token after the first; None for a one-token output."""
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+
+
 def _meets(r: "RequestResult", slos: dict[str, float]) -> bool:
     """Whether a completed request met every SLO (ms). TPOT of a one-token output is 0."""
-    tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
-    got = {"ttft": r.ttft, "tpot": tpot, "e2el": r.latency}
+    got = {"ttft": r.ttft, "tpot": _tpot(r) or 0.0, "e2el": r.latency}
     return all(1e3 * got[name] <= ms for name, ms in slos.items())
 
 
@@ -308,7 +312,7 @@ def summarize(results: Sequence[RequestResult], duration: float, slos: dict[str,
     ok = [r for r in results if r.success]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpots = [_tpot(r) for r in ok if r.output_tokens > 1]
     itls = [g for r in ok for g in r.itl]
     errors: dict[str, int] = {}
     for r in results:
