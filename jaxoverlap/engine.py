@@ -14,6 +14,11 @@ Speculative decoding (speculative/) changes neither loop: a decode step becomes 
 speculative step. The one exception is the host n-gram drafter, whose drafts need step N's
 accepted tokens: for such a batch the overlap loop processes step N before the launch
 (the article's section 8.3), and the wait is recorded as `fresh_wait_s`.
+
+Structured output keeps overlap: a decode batch with a constrained row launches its forward
+pass behind step N, processes step N while that runs (the tokens advance the grammars), and
+then launches its sampling with the rows' allowed tokens (ModelRunner.launch_forward /
+launch_sample).
 """
 from __future__ import annotations
 
@@ -362,7 +367,7 @@ class Engine:
 
             self.runner.inputs.sharding = parallel.replicated(self.mesh)
         self.requests: dict[str, Request] = {}
-        self._constrained = 0  # live requests with a structured_output (their steps give up overlap)
+        self._constrained = 0  # live requests with a structured_output (their decode steps sample apart)
         self._inflight: LaunchedStep | None = None
         self._seed_rng = random.Random(config.seed)
         self.timings: collections.deque[StepTiming] = collections.deque(maxlen=100_000)
@@ -554,19 +559,32 @@ class Engine:
         batch = self.scheduler.schedule()  # decided from results up to step N-1
         t1 = time.perf_counter()
         early, fresh_s, fresh_wait_s = [], 0.0, 0.0
-        if batch is not None and self._inflight is not None and self._needs_host_results(batch):
-            # Host n-gram: the drafts need step N's tokens; structured output: the allowed
-            # tokens do. So this batch gives up overlap. Its reservations, made from older
-            # counts, still cover it.
+        if batch is not None and self._inflight is not None and self.runner.needs_host_results(batch):
+            # Host n-gram: the drafts need step N's tokens, so this batch gives up overlap.
+            # Its reservations, made from older counts, still cover it.
             prev, self._inflight = self._inflight, None
             fresh_wait_s, early, _ = self._process(prev)
             fresh_s = time.perf_counter() - t1
         t1b = time.perf_counter()
-        launched = self._launch(batch) if batch is not None else None  # step N+1 queued behind N
-        t2 = time.perf_counter()
-        prev, self._inflight = self._inflight, launched
-        wait_s, outputs, found_done = self._process(prev)  # waits for step N only
-        self._record(batch, t1 - t0, t2 - t1b, wait_s, time.perf_counter() - t2 - wait_s, fresh_s, start_s=t0,
+        if batch is not None and self.runner.samples_apart(batch):
+            # Structured output in a decode batch: the allowed tokens of step N+1 follow from
+            # step N's tokens, but its forward pass does not. So the forward pass is queued
+            # behind step N, step N is processed while it runs (its tokens advance the
+            # grammars), and then N+1's sampling is queued with the masks.
+            forwarded = self._launch(batch, self.runner.launch_forward)
+            t2 = time.perf_counter()
+            prev, self._inflight = self._inflight, None
+            wait_s, outputs, found_done = self._process(prev)  # waits for step N only
+            t3 = time.perf_counter()
+            self._inflight = self._launch(batch, lambda _: self.runner.launch_sample(forwarded))
+            launch_s, process_s = t2 - t1b + time.perf_counter() - t3, t3 - t2 - wait_s
+        else:
+            launched = self._launch(batch) if batch is not None else None  # step N+1 queued behind N
+            t2 = time.perf_counter()
+            prev, self._inflight = self._inflight, launched
+            wait_s, outputs, found_done = self._process(prev)  # waits for step N only
+            launch_s, process_s = t2 - t1b, time.perf_counter() - t2 - wait_s
+        self._record(batch, t1 - t0, launch_s, wait_s, process_s, fresh_s, start_s=t0,
                      found_done=found_done, fresh_process_s=fresh_s - fresh_wait_s)
         return early + outputs
 
@@ -581,19 +599,21 @@ class Engine:
                      found_done=found_done)
         return outputs
 
-    def _launch(self, batch) -> LaunchedStep:
+    def _launch(self, batch, launch=None):
+        """`launch(batch)` (default: the runner's whole step), inside the span and checks below."""
         # A named host span per launch for `jaxoverlap profile` (jaxoverlap/profiling/): it ties
         # the device ops of a step to the step even where overlap leaves no gap between steps.
         # `iteration` is the index this loop iteration's StepTiming gets in self.timings.
         # Outside a trace the annotation costs about a microsecond (measured on CPU).
+        launch = launch or self.runner.launch
         with jax.profiler.TraceAnnotation("jaxoverlap.launch", kind=batch.kind, size=batch.size,
                                           iteration=len(self.timings)), self._compiles:
             if self.guard_launch:
                 from jaxoverlap.sync_guard import no_host_sync
 
                 with no_host_sync():
-                    return self.runner.launch(batch)
-            return self.runner.launch(batch)
+                    return launch(batch)
+            return launch(batch)
 
     def _process(self, launched: LaunchedStep | None) -> tuple[float, list[RequestOutput], bool]:
         """(seconds waited for the device, the outputs, whether the step was done before the wait)."""
@@ -646,14 +666,6 @@ class Engine:
             if reason is not None and req.detok is not None:
                 req.pending_text += req.detok.flush()  # "stop" outputs are not flushed later
         return reason
-
-    def _needs_host_results(self, batch) -> bool:
-        """Whether `batch` may launch only after the step in flight is processed: the host
-        n-gram drafter's batches (their drafts), and batches with a constrained row (its
-        allowed tokens follow from the token in flight)."""
-        if self.runner.needs_host_results(batch):
-            return True
-        return self.runner.allowed_tokens is not None and any(row.req.matcher is not None for row in batch.rows)
 
     def _check_stop_strings(self, req: Request) -> str | None:
         """Called for every new token: decode it and look for stop strings.
@@ -740,7 +752,7 @@ class Engine:
         }
 
     def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int | None = None,
-               prefill: bool = False, top_logprobs: bool = False) -> list[dict]:
+               prefill: bool = False, top_logprobs: bool = False, structured: bool = False) -> list[dict]:
         """Compile the decode programs before traffic arrives, by default every batch bucket
         at every context bucket, greedy (pass sampling=(False, True) for both programs), and
         run each once on padding rows, so that a program's first execution (XLA records its
@@ -752,12 +764,24 @@ class Engine:
         warm-up makes XLA drop the decode programs' recorded graphs (it drops every
         executable's graphs whenever it loads a new one). With `top_logprobs`, each program's
         variant that returns top logprobs too (twice the programs), which runs while any row
-        of the batch asks for them (SamplingParams.top_logprobs). Returns the compile (and
+        of the batch asks for them (SamplingParams.top_logprobs). With `structured`, the
+        programs of batches with structured output too: each decode bucket's forward pass and
+        sampling (ModelRunner.launch_forward), and with `prefill` each prefill program's
+        variant with allowed tokens; skipped, with a warning, where the engine cannot serve
+        structured output (no tokenizer, or speculative decoding). Returns the compile (and
         run) time of each program (ModelRunner.precompile)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
+        mask_words = None
+        if structured:
+            if self.tokenizer is None or self.drafter is not None:
+                logger.warning("warmup(structured=True) skipped: this engine serves no structured output "
+                               "(it has %s)", "no tokenizer" if self.tokenizer is None else "a drafter")
+            else:
+                mask_words = self.grammars.words
         compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads, execute=True, prefill=prefill,
-                                          top_logprobs=(False, True) if top_logprobs else (False,))
+                                          top_logprobs=(False, True) if top_logprobs else (False,),
+                                          mask_words=mask_words)
         self._freeze_gc()  # the programs' own long-lived objects too
         return compiled
 

@@ -99,6 +99,20 @@ class LaunchedStep:
         return self.out.top_part(np.asarray(self.out.packed))
 
 
+@dataclasses.dataclass
+class ForwardedStep:
+    """A decode step whose forward pass is launched and whose sampling is not yet
+    (ModelRunner.launch_forward): what `launch_sample` needs."""
+
+    batch: ScheduledBatch
+    B: int  # the batch bucket
+    inputs: steps.DecodeInputs
+    logits: object  # [B, V] float32 device array
+    sampling: bool  # whether any row samples (batch_samples)
+    top: bool  # whether any row wants top logprobs
+    allowed_tokens: object  # structured.Grammars.bitmask, as it was at the forward launch
+
+
 def batch_samples(batch: ScheduledBatch) -> bool:
     """Whether any row of a decode batch samples (temperature > 0) or uses the penalties'
     history (penalties or min_new_tokens): a static flag of the decode step, so all-greedy
@@ -243,7 +257,7 @@ class ModelRunner:
         self.draft_max_rows = draft_max_rows if self.spec is not None else None
         self.last_draft_s = 0.0  # host drafting time of the last launch (host n-gram)
         # Structured output (structured.Grammars.bitmask), set by the engine while some request
-        # has one: (rows, num_rows, sampled) -> the allowed tokens of each row, or None.
+        # has one: (rows, num_rows, sampled, always) -> the allowed tokens of each row, or None.
         self.allowed_tokens = None
         self.inputs = DeviceInputs()  # the engine sets its sharding under tensor parallelism
         self.model_cfg = model_cfg
@@ -339,15 +353,59 @@ class ModelRunner:
         return self.spec is not None and self.spec.host_drafts and batch.kind == "decode" and batch.draft
 
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        if self.samples_apart(batch):  # nothing to overlap with the forward pass here: both at once
+            return self.launch_sample(self.launch_forward(batch))
         if batch.kind == "prefill":
             out = self._launch_prefill(batch)
         else:
             out = self._launch_decode(batch)
+        return self._launched(batch, out)
+
+    def _launched(self, batch: ScheduledBatch, out) -> LaunchedStep:
         # Start the copy now so that the host's later wait is for the step, not the copy. One
         # array holds all of the step's results for the host (steps.pack_for_host).
         if self.start_host_copy:
             out.packed.copy_to_host_async()
         return LaunchedStep(batch, out)
+
+    # -- decode steps with structured output: forward pass and sampling apart ----------------
+    def samples_apart(self, batch: ScheduledBatch) -> bool:
+        """Whether `batch` is a plain decode batch with a constrained row (structured output):
+        it launches as `launch_forward`, then `launch_sample` once the rows' grammars have
+        taken the tokens of the step before (steps.decode_forward_step)."""
+        return (batch.kind == "decode" and self.spec is None and self.allowed_tokens is not None
+                and any(row.req.matcher is not None for row in batch.rows))
+
+    def launch_forward(self, batch: ScheduledBatch) -> "ForwardedStep":
+        B = pick(self.batch_buckets, batch.size)
+        base, (sampling, top) = self._decode_rows(batch, B)
+        inputs = self._decode_inputs(batch, B, base)
+        key, step, args, static = self._forward_program(inputs, self._ctx_len(batch))
+        self.state, logits = self._call_decode(key, step, args, static)
+        return ForwardedStep(batch, B, inputs, logits, sampling, top, self.allowed_tokens)
+
+    def launch_sample(self, fwd: "ForwardedStep") -> LaunchedStep:
+        """The sampling of a step `launch_forward` launched, with each row's allowed tokens as
+        its grammar stands now. A row whose request has ended meanwhile may take any token
+        (it is dropped); so may every row once no request is constrained any more."""
+        allowed = fwd.allowed_tokens(fwd.batch.rows, fwd.B, always=True)
+        key, step, args, static = self._sample_program(fwd.inputs, fwd.logits, allowed, fwd.sampling, fwd.top)
+        self.state, out = self._call_decode(key, step, args, static)
+        return self._launched(fwd.batch, out)
+
+    def _forward_program(self, inputs: steps.DecodeInputs, ctx_len: int):
+        """(program key, jitted step, arguments, static arguments) of a decode step's forward
+        pass; `launch_forward` and `precompile` both build their call here."""
+        static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
+                      **self._layout_static)
+        key = ("forward", inputs.batch, ctx_len, self.attention, self._layout_key())
+        return key, steps.decode_forward_step, (self.params, self.state, inputs), static
+
+    def _sample_program(self, inputs: steps.DecodeInputs, logits, allowed, sampling: bool, top: bool):
+        """(program key, jitted step, arguments, static arguments) of a decode step's sampling."""
+        static = dict(sampling=sampling, **({"top_logprobs": True} if top else {}), **self._layout_static)
+        key = ("sample", inputs.batch, sampling, top)
+        return key, steps.decode_sample_step, (self.state, inputs, logits, allowed), static
 
     def _decode_rows(self, batch: ScheduledBatch, B: int):
         """(packed inputs without reservations, (whether any row samples, whether any wants
@@ -402,9 +460,8 @@ class ModelRunner:
             self.last_draft_s = time.perf_counter() - t
             host_drafts = HostDrafts(tokens, counts)
         ctx_len = self._ctx_len(batch)
-        allowed = self.allowed_tokens(batch.rows, B) if self.allowed_tokens is not None else None
-        step, args, static = self._decode_program(inputs, host_drafts, ctx_len, sampling, batch.draft, top, allowed)
-        key = self._program_key(B, host_drafts is not None, ctx_len, sampling, batch.draft, top, allowed is not None)
+        step, args, static = self._decode_program(inputs, host_drafts, ctx_len, sampling, batch.draft, top)
+        key = self._program_key(B, host_drafts is not None, ctx_len, sampling, batch.draft, top)
         self.state, out = self._call_decode(key, step, args, static)
         return out
 
@@ -422,16 +479,23 @@ class ModelRunner:
         return self._layout_of[1]
 
     def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool,
-                     top: bool = False, constrained: bool = False) -> tuple:
-        return (B, host_drafts, ctx_len, sampling, draft, top, self.attention, self._layout_key(), constrained)
+                     top: bool = False) -> tuple:
+        return (B, host_drafts, ctx_len, sampling, draft, top, self.attention, self._layout_key())
+
+    def _compile_decode_program(self, key: tuple, step, args, static):
+        """Compile a decode program (and its twin) for `_call_decode`; returns the executable.
+        Lowering reads shapes only: nothing runs or is donated."""
+        compiled = step.lower(*args, **static).compile()
+        self._executables[key] = (compiled, self._copy_executable(compiled) if self.alternate_executables else None)
+        return compiled
 
     def _call_decode(self, key: tuple, step, args, static):
         pair = self._executables.get(key)
         if pair is None:
             if not self.alternate_executables:
                 return step(*args, **static)  # jit compiles it at its first launch
-            compiled = step.lower(*args, **static).compile()
-            pair = self._executables[key] = (compiled, self._copy_executable(compiled))
+            self._compile_decode_program(key, step, args, static)
+            pair = self._executables[key]
         compiled, twin = pair
         use_twin = self.alternate_executables and twin is not None and self._turn.get(key, False)
         self._turn[key] = not use_twin
@@ -474,16 +538,14 @@ class ModelRunner:
         return max(8, B * self.decode_pages_per_row)
 
     def _decode_program(self, inputs: steps.DecodeInputs, host_drafts, ctx_len: int, sampling: bool, draft: bool,
-                        top: bool = False, allowed: np.ndarray | None = None):
+                        top: bool = False):
         """(jitted step, arguments, static arguments) of one decode launch. `launch` and
         `precompile` both build their call here, so that they meet in one jit cache entry.
-        `top`: the variant that returns top logprobs. `allowed`: the rows' allowed tokens
-        (structured output; a program of its own, compiled on first use)."""
+        `top`: the variant that returns top logprobs."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
                       sampling=sampling, **({"top_logprobs": True} if top else {}), **self._layout_static)
         if self.spec is None:
-            args = (self.params, self.state, inputs) if allowed is None else (self.params, self.state, inputs, allowed)
-            return steps.decode_step, args, static
+            return steps.decode_step, (self.params, self.state, inputs), static
         from jaxoverlap.speculative.step import spec_decode_step
 
         return (spec_decode_step, (self.params, self.drafter.params, self.state, inputs, host_drafts),
@@ -491,7 +553,8 @@ class ModelRunner:
 
     # -- ahead-of-time compilation -----------------------------------------------------------
     def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int | None = None,
-                   execute: bool = False, prefill: bool = False, top_logprobs=(False,)) -> list[dict]:
+                   execute: bool = False, prefill: bool = False, top_logprobs=(False,),
+                   mask_words: int | None = None) -> list[dict]:
         """Compile the decode programs (plain or speculative) of these buckets before they
         are needed: by default every batch bucket at every decode context bucket, greedy.
         With `prefill`, also every prefill program: each (rows, tokens) bucket at each
@@ -508,11 +571,15 @@ class ModelRunner:
         all others (its command buffer eviction), so a program compiled after the runs
         would undo them. `top_logprobs` (False, True) also compiles the variant of each
         program that returns top logprobs (`batch_top_logprobs`), which a batch runs while
-        any of its rows asks for them.
+        any of its rows asks for them. `mask_words` (structured.Grammars.words; None: none of
+        these) also compiles the programs of batches with structured output: each decode
+        bucket's forward pass (per context bucket) and sampling (per sampling flag and top
+        logprobs), and with `prefill` each prefill program's variant with allowed tokens.
 
         Returns one {program, ..., seconds} per program: decode rows name batch, ctx_len,
         sampling, draft, top_logprobs (and run_seconds when executed); prefill rows name
-        rows, tokens, ctx_len, top_logprobs."""
+        rows, tokens, ctx_len, top_logprobs, constrained; forward rows batch, ctx_len; sample
+        rows batch, sampling, top_logprobs."""
         from concurrent.futures import ThreadPoolExecutor
 
         import jax
@@ -523,30 +590,52 @@ class ModelRunner:
         ctxs = _buckets_of(ctx_lens, self.decode_ctx_buckets, "ctx_lens", self.table_width)
         jobs = [("decode", B, ctx, bool(s), d, t) for B in batches
                 for ctx in ctxs for s in sampling for d in self.decode_variants(B) for t in tops]
+        constrained = (False, True) if mask_words and self.spec is None else (False,)
         if prefill:
-            jobs += [("prefill", R, T, ctx, t) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
-                     for ctx in self.prefill_ctx_buckets if self.prefill_shapes.runs(R, T) for t in tops]
+            jobs += [("prefill", R, T, ctx, t, c) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
+                     for ctx in self.prefill_ctx_buckets if self.prefill_shapes.runs(R, T) for t in tops
+                     for c in constrained]
+        if len(constrained) > 1:  # the sampling programs compile after these (they take their logits)
+            jobs += [("forward", B, ctx) for B in batches for ctx in ctxs]
+        later = [("sample", B, bool(s), t) for B in batches for s in sampling for t in tops] if len(constrained) > 1 else []
+        put = functools.partial(jax.device_put, device=self.inputs.sharding)
+        logits_sharding = {}  # batch bucket -> the sharding of a forward pass's logits
+
+        def empty_inputs(B):
+            # Placed as launch places them (DeviceInputs), so that both meet in one cache entry.
+            return steps.DecodeInputs(put(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed), batch=B)
 
         def compile_decode(B, ctx, s, draft, top):
-            empty = steps.DecodeInputs.empty(B, self._decode_res_capacity(B))
             host = self._no_host_drafts(B) if draft else None
-            # Placed as launch places them (DeviceInputs), so that both meet in one cache entry.
-            put = functools.partial(jax.device_put, device=self.inputs.sharding)
-            inputs = steps.DecodeInputs(put(empty.packed), batch=B)
+            inputs = empty_inputs(B)
             step, args, static = self._decode_program(inputs, host, ctx, s, draft, top)
-            compiled = step.lower(*args, **static).compile()  # lowering reads shapes only: nothing runs or is donated
-            twin = self._copy_executable(compiled) if self.alternate_executables else None
-            self._executables[self._program_key(B, host is not None, ctx, s, draft, top)] = (compiled, twin)
+            self._compile_decode_program(self._program_key(B, host is not None, ctx, s, draft, top), step, args, static)
             return {"program": "decode", "batch": B, "ctx_len": ctx, "sampling": s, "draft": draft,
                     "top_logprobs": top}
 
-        def compile_prefill(R, T, ctx, top):
+        def compile_prefill(R, T, ctx, top, constrained):
             # Numpy, as a prefill launch passes its inputs.
-            inp = dataclasses.replace(self._prefill_inputs([], R, T), top_logprobs=top)
+            # (speculative prefills have no allowed tokens: structured output is plain decoding only)
+            allowed = {"allowed": np.full((R, mask_words), -1, np.int32)} if constrained else {}
+            inp = dataclasses.replace(self._prefill_inputs([], R, T), top_logprobs=top, **allowed)
             res = steps.Reservations.empty(self._prefill_res_capacity(R))
             step, args, static = self._prefill_program(inp, res, ctx)
-            self._prefill_executables[self._prefill_key(R, T, ctx, top=top)] = step.lower(*args, **static).compile()
-            return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx, "top_logprobs": top}
+            key = self._prefill_key(R, T, ctx, top=top, constrained=constrained)
+            self._prefill_executables[key] = step.lower(*args, **static).compile()
+            return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx, "top_logprobs": top,
+                    "constrained": constrained}
+
+        def compile_forward(B, ctx):
+            key, step, args, static = self._forward_program(empty_inputs(B), ctx)
+            compiled = self._compile_decode_program(key, step, args, static)
+            logits_sharding[B] = compiled.output_shardings[1]
+            return {"program": "forward", "batch": B, "ctx_len": ctx}
+
+        def compile_sample(B, s, top):
+            logits = jax.ShapeDtypeStruct((B, self.model_cfg.vocab_size), np.float32, sharding=logits_sharding[B])
+            allowed = np.zeros((B, mask_words), np.int32)
+            self._compile_decode_program(*self._sample_program(empty_inputs(B), logits, allowed, s, top))
+            return {"program": "sample", "batch": B, "sampling": s, "top_logprobs": top}
 
         check_maps = jax.default_backend() == "cpu"
         threads = default_compile_threads() if threads is None else threads
@@ -558,7 +647,9 @@ class ModelRunner:
             if stop.is_set():
                 return None
             t = time.perf_counter()
-            row = compile_decode(*job[1:]) if job[0] == "decode" else compile_prefill(*job[1:])
+            compile_job = {"decode": compile_decode, "prefill": compile_prefill, "forward": compile_forward,
+                           "sample": compile_sample}[job[0]]
+            row = compile_job(*job[1:])
             headroom = memory_map_headroom() if check_maps else None
             if headroom is not None and headroom < CPU_MAP_RESERVE:
                 stop.set()
@@ -571,13 +662,22 @@ class ModelRunner:
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             report = list(pool.map(compile_one, jobs))
+            if not stop.is_set():
+                report += list(pool.map(compile_one, later))
         if execute:  # in order, on this thread: each run takes the state the one before returned
             for row in report:
+                t = time.perf_counter()
                 if row["program"] == "decode":
-                    t = time.perf_counter()
                     self._run_padding_step(row["batch"], row["ctx_len"], row["sampling"], row["draft"],
                                            row["top_logprobs"])
-                    row["run_seconds"] = time.perf_counter() - t
+                elif row["program"] == "forward":
+                    self._run_padding_forward(row["batch"], row["ctx_len"])
+                elif row["program"] == "sample":
+                    self._run_padding_sample(row["batch"], row["sampling"], row["top_logprobs"], mask_words,
+                                             logits_sharding[row["batch"]])
+                else:
+                    continue
+                row["run_seconds"] = time.perf_counter() - t
             jax.block_until_ready(self.state)
         return report
 
@@ -605,6 +705,24 @@ class ModelRunner:
             step, args, static = self._decode_program(inputs, host, ctx_len, sampling, draft, top)  # today's state
             self.state, _ = self._call_decode(key, step, args, static)
 
+    def _run_padding_forward(self, B: int, ctx_len: int) -> None:
+        """`_run_padding_step` for a forward pass (structured output), its logits dropped."""
+        inputs = steps.DecodeInputs(self._as_sent(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed),
+                                    batch=B)
+        for _ in range(2 if self.alternate_executables else 1):
+            self.state, _ = self._call_decode(*self._forward_program(inputs, ctx_len))
+
+    def _run_padding_sample(self, B: int, sampling: bool, top: bool, mask_words: int, logits_sharding) -> None:
+        """`_run_padding_step` for a sampling program (structured output), on zero logits."""
+        import jax
+
+        inputs = steps.DecodeInputs(self._as_sent(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed),
+                                    batch=B)
+        logits = jax.device_put(np.zeros((B, self.model_cfg.vocab_size), np.float32), logits_sharding)
+        allowed = np.full((B, mask_words), -1, np.int32)
+        for _ in range(2 if self.alternate_executables else 1):
+            self.state, _ = self._call_decode(*self._sample_program(inputs, logits, allowed, sampling, top))
+
     # -- prefill ------------------------------------------------------------------------------
     def _prefill_shape(self, batch: ScheduledBatch) -> tuple[int, int]:
         """(rows, tokens) bucket of a prefill batch."""
@@ -613,8 +731,9 @@ class ModelRunner:
     def _prefill_res_capacity(self, R: int) -> int:
         return R * self.pages_per_row
 
-    def _prefill_key(self, R: int, T: int, ctx_len: int, prompt_logprobs: bool = False, top: bool = False) -> tuple:
-        return (R, T, ctx_len, self.attention, self._layout_key(), prompt_logprobs, top)
+    def _prefill_key(self, R: int, T: int, ctx_len: int, prompt_logprobs: bool = False, top: bool = False,
+                     constrained: bool = False) -> tuple:
+        return (R, T, ctx_len, self.attention, self._layout_key(), prompt_logprobs, top, constrained)
 
     def _launch_prefill(self, batch: ScheduledBatch) -> steps.StepOutput:
         R, T = self._prefill_shape(batch)
@@ -633,8 +752,8 @@ class ModelRunner:
         # the one that returns top logprobs unless the warm-up was asked for it.
         scoring, top = inp.targets is not None, inp.top_logprobs
         # A prefill with allowed tokens (structured output) is a program of its own, compiled on first use.
-        compiled = (self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring, top))
-                    if getattr(inp, "allowed", None) is None else None)
+        constrained = getattr(inp, "allowed", None) is not None
+        compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring, top, constrained))
         self.state, out = compiled(*args) if compiled is not None else step(*args, **static)
         return out
 

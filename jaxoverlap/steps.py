@@ -200,6 +200,49 @@ def _write_relay(relay: Relay, entries, new_lens, new_tokens, **params) -> Relay
     return dataclasses.replace(relay, **updates)
 
 
+def _decode_forward(params: ModelParams, state: DeviceState, inputs: DecodeInputs, *, cfg: ModelConfig,
+                    ctx_len: int, page_size: int, attention) -> tuple[DeviceState, jax.Array]:
+    """The model part of a decode step: the step's reservations, one token per row through
+    the model (K/V written at each row's length) and the LM head. The relay is only read.
+    Returns (state, logits [B, V] float32)."""
+    entries = inputs.entries  # [B] int32, padded rows on entry 0
+    req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
+    lens = state.relay.seq_lens[entries]  # [B]: the position this step writes
+    tokens = state.relay.tokens[entries]  # [B]: the token produced by the previous step
+    hidden, k_cache, v_cache = forward(
+        params, cfg, state.k_cache, state.v_cache, req_to_token,
+        tokens=tokens[:, None],
+        positions=lens[:, None],
+        entries=entries,
+        q_valid=(entries != 0)[:, None],
+        kv_lens=lens + 1,
+        ctx_len=ctx_len,
+        attention=attention,
+    )
+    logits = lm_logits(params, hidden[:, 0])  # [B, V]
+    return dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token), logits
+
+
+def _decode_sample(state: DeviceState, inputs: DecodeInputs, logits: jax.Array, allowed: jax.Array | None, *,
+                   sampling: bool, top_logprobs: bool) -> tuple[DeviceState, StepOutput]:
+    """The sampling part of a decode step: each row's token from `logits` [B, V], written
+    into the relay with the row's new length (the next step reads both there)."""
+    entries, relay = inputs.entries, state.relay
+    lens = relay.seq_lens[entries]  # [B]: the position the forward part wrote
+    penalty, row_penalties = state.penalty, None
+    if sampling and penalty is not None:  # the host sends every batch with a penalized row here
+        penalty = penalties.record_generated(penalty, entries, relay.tokens[entries])
+        row_penalties = penalties.rows(penalty, entries)
+    next_tokens, logprobs = sample(
+        logits, relay.temperature[entries], relay.top_k[entries], relay.top_p[entries],
+        relay.min_p[entries], relay.seed[entries], lens + 1, sampling=sampling, penalties=row_penalties,
+        allowed=allowed,
+    )
+    relay = _write_relay(relay, entries, lens + 1, next_tokens)
+    state = dataclasses.replace(state, relay=relay, penalty=penalty)
+    return state, StepOutput.of(next_tokens, logprobs, top_logprobs_of(logits) if top_logprobs else None)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "ctx_len", "page_size", "attention", "sampling", "top_logprobs", "state_sharding"),
@@ -209,7 +252,6 @@ def decode_step(
     params: ModelParams,
     state: DeviceState,
     inputs: DecodeInputs,
-    allowed: jax.Array | None = None,
     *,
     cfg: ModelConfig,
     ctx_len: int,
@@ -220,40 +262,38 @@ def decode_step(
     state_sharding=None,
 ):
     """One plain decoding step for B rows: one token per row, everything read from the relay.
-    `top_logprobs` (static): also return each row's TOP_LOGPROBS most likely tokens.
-    `allowed` [B, ceil(V / 32)] int32: the tokens each row may take (structured output, a
-    bitmask; None: any)."""
-    entries = inputs.entries  # [B] int32, padded rows on entry 0
-    req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
-    relay = state.relay
-    lens = relay.seq_lens[entries]  # [B]: the position this step writes
-    tokens = relay.tokens[entries]  # [B]: the token produced by the previous step
-    positions = lens[:, None]  # [B, 1]
-    hidden, k_cache, v_cache = forward(
-        params, cfg, state.k_cache, state.v_cache, req_to_token,
-        tokens=tokens[:, None],
-        positions=positions,
-        entries=entries,
-        q_valid=(entries != 0)[:, None],
-        kv_lens=lens + 1,
-        ctx_len=ctx_len,
-        attention=attention,
-    )
-    logits = lm_logits(params, hidden[:, 0])  # [B, V]
-    penalty, row_penalties = state.penalty, None
-    if sampling and penalty is not None:  # the host sends every batch with a penalized row here
-        penalty = penalties.record_generated(penalty, entries, tokens)
-        row_penalties = penalties.rows(penalty, entries)
-    next_tokens, logprobs = sample(
-        logits, relay.temperature[entries], relay.top_k[entries], relay.top_p[entries],
-        relay.min_p[entries], relay.seed[entries], lens + 1, sampling=sampling, penalties=row_penalties,
-        allowed=allowed,
-    )
-    relay = _write_relay(relay, entries, lens + 1, next_tokens)
-    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
-                                penalty=penalty)
-    state = keep_layout(state, state_sharding)
-    return state, StepOutput.of(next_tokens, logprobs, top_logprobs_of(logits) if top_logprobs else None)
+    `top_logprobs` (static): also return each row's TOP_LOGPROBS most likely tokens."""
+    state, logits = _decode_forward(params, state, inputs, cfg=cfg, ctx_len=ctx_len, page_size=page_size,
+                                    attention=attention)
+    state, out = _decode_sample(state, inputs, logits, None, sampling=sampling, top_logprobs=top_logprobs)
+    return keep_layout(state, state_sharding), out
+
+
+# A decode step of a batch with structured output runs as the two halves above, one program
+# each: the forward pass launches before the host knows the rows' allowed tokens (they follow
+# from the tokens of the step in flight), and the sampling after it has built them, while the
+# forward pass runs (engine.Engine._step_overlap; vLLM splits its step the same way).
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "ctx_len", "page_size", "attention", "state_sharding"),
+    donate_argnames=("state",),
+)
+def decode_forward_step(params: ModelParams, state: DeviceState, inputs: DecodeInputs, *, cfg: ModelConfig,
+                        ctx_len: int, page_size: int, attention=xla_paged_attention, state_sharding=None):
+    """A decode step's forward pass: (state, logits [B, V] float32) for `decode_sample_step`."""
+    state, logits = _decode_forward(params, state, inputs, cfg=cfg, ctx_len=ctx_len, page_size=page_size,
+                                    attention=attention)
+    return keep_layout(state, state_sharding), logits
+
+
+@functools.partial(jax.jit, static_argnames=("sampling", "top_logprobs", "state_sharding"),
+                   donate_argnames=("state",))
+def decode_sample_step(state: DeviceState, inputs: DecodeInputs, logits: jax.Array, allowed: jax.Array, *,
+                       sampling: bool = True, top_logprobs: bool = False, state_sharding=None):
+    """A decode step's sampling, after `decode_forward_step` on the same inputs. `allowed`
+    [B, ceil(V / 32)] int32: the tokens each row may take (a bitmask, all bits set for rows
+    without a constraint)."""
+    state, out = _decode_sample(state, inputs, logits, allowed, sampling=sampling, top_logprobs=top_logprobs)
+    return keep_layout(state, state_sharding), out
 
 
 @jax.tree_util.register_dataclass

@@ -202,14 +202,14 @@ class Grammars:
         # Default limits, but short errors: a verbose one holds the whole grammar and parser state.
         return LLParserLimits(verbose_errors=False)
 
-    def bitmask(self, rows, num_rows: int, sampled=None) -> np.ndarray | None:
+    def bitmask(self, rows, num_rows: int, sampled=None, *, always: bool = False) -> np.ndarray | None:
         """The allowed tokens of a step's rows ([num_rows, words] int32, every bit set for
-        rows without a constraint and for padding), or None when no row is constrained.
-        `sampled(i)`: whether row i's token is the request's (prefill chunks before the
-        last sample nothing that is kept)."""
+        rows without a constraint and for padding), or None when no row is constrained
+        (with `always`, every bit set then). `sampled(i)`: whether row i's token is the
+        request's (prefill chunks before the last sample nothing that is kept)."""
         constrained = [(i, row.req.matcher) for i, row in enumerate(rows)
                        if row.req.matcher is not None and (sampled is None or sampled(i))]
-        if not constrained:
+        if not constrained and not always:
             return None
         from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 

@@ -76,6 +76,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--precompile-top-logprobs", action="store_true",
          help="with --precompile: also each program's variant that returns top logprobs (twice the "
               "programs), so that the first request asking for top_logprobs compiles nothing")
+    _add(g, "--precompile-structured", action="store_true",
+         help="with --precompile: also the programs of batches with structured output (each decode bucket's "
+              "forward pass and sampling; with 'all', each prefill's variant with allowed tokens), so that "
+              "the first request with a structured_output compiles nothing")
     return parser
 
 
@@ -107,12 +111,14 @@ def serve_engine_config(engine_options: dict):
 
 def serve_worker_options(args) -> dict:
     """What the engine's worker does before it serves (EngineWorker / EngineProcess options),
-    from the serve command's --no-warmup, --precompile and --precompile-top-logprobs."""
+    from the serve command's --no-warmup, --precompile, --precompile-top-logprobs and
+    --precompile-structured."""
     precompile = getattr(args, "precompile", "auto")
     return dict(warmup=not getattr(args, "no_warmup", False),
                 precompile={"on": True, "all": True, "off": False}.get(precompile, "auto"),
                 precompile_prefill=precompile == "all",
-                precompile_top_logprobs=getattr(args, "precompile_top_logprobs", False))
+                precompile_top_logprobs=getattr(args, "precompile_top_logprobs", False),
+                precompile_structured=getattr(args, "precompile_structured", False))
 
 
 def run_serve(args, engine_options: dict) -> int:

@@ -771,8 +771,8 @@ def test_auth_token_file(tmp_path):
 def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
     engine = _fake()
     seen = []
-    def warmup(sampling, prefill, top_logprobs):
-        seen.append((threading.current_thread().name, prefill, sampling, top_logprobs))
+    def warmup(sampling, prefill, top_logprobs, structured):
+        seen.append((threading.current_thread().name, prefill, sampling, top_logprobs) + (("structured",) if structured else ()))
         return [{"batch": 1}]
 
     engine.warmup = warmup
@@ -787,10 +787,13 @@ def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
     # --precompile-top-logprobs: each program's top-logprobs variant too.
     EngineWorker(engine, precompile=True, precompile_top_logprobs=True, name="t3").start().stop()
     assert seen[-1] == ("t3", False, (False, True), True)
+    # --precompile-structured: the programs of batches with structured output too.
+    EngineWorker(engine, precompile=True, precompile_structured=True, name="t4").start().stop()
+    assert seen[-1] == ("t4", False, (False, True), False, "structured")
     plain = _fake()
     plain.warmup = lambda **_: seen.append("unexpected") or []
     EngineWorker(plain).start().stop()
-    assert seen[-1] == ("t3", False, (False, True), True)
+    assert seen[-1] == ("t4", False, (False, True), False, "structured")
 
 
 def test_stop_closes_an_engine_the_worker_built_and_only_that():

@@ -82,6 +82,97 @@ def test_overlap_on_and_off_agree_and_unconstrained_neighbours_are_unchanged(llm
     assert llm.engine.runner.allowed_tokens is None and llm.engine._constrained == 0
 
 
+def test_constrained_decode_steps_keep_overlap(llm, monkeypatch):
+    """Under overlap, a constrained decode batch launches its forward pass before the step in
+    flight is processed and its sampling after, with masks that the processed tokens have
+    advanced; no iteration waits for the step in flight before its launch. A constrained
+    request that ends while others run leaves them the tokens they get alone."""
+    engine, runner = llm.engine, llm.engine.runner
+    events = []
+
+    def logged(name, fn):
+        def call(*a, **k):
+            events.append(name)
+            return fn(*a, **k)
+        return call
+
+    monkeypatch.setattr(runner, "launch_forward", logged("forward", runner.launch_forward))
+    monkeypatch.setattr(runner, "launch_sample", logged("sample", runner.launch_sample))
+    monkeypatch.setattr(runner, "launch", logged("launch", runner.launch))
+    monkeypatch.setattr(engine.scheduler, "process", logged("process", engine.scheduler.process))
+    plain = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    [alone] = llm.generate(["The cat"], plain)
+    start, events[:] = len(engine.timings), []
+    results = llm.generate(["Once upon a time"] * 4 + ["The cat"], _constrained(0.0) + [plain])
+    _check_outputs(results[:4])
+    assert results[4].token_ids == alone.token_ids
+    timings = list(engine.timings)[start:]
+    assert all(t.fresh_wait_s == 0 for t in timings)
+    # forward N+1, process N, sample N+1, in every iteration that launched a forward pass
+    # behind a step in flight; and some did.
+    split = [i for i, e in enumerate(events) if e == "forward"]
+    assert len(split) > 10
+    assert sum(events[i + 1 : i + 3] == ["process", "sample"] for i in split) >= len(split) - 1
+
+
+def test_a_split_step_is_the_fused_step():
+    """decode_forward_step then decode_sample_step with every token allowed leaves the state
+    and results of decode_step, greedy and sampled with penalties; with a mask, only allowed
+    tokens come out."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxoverlap import penalties, steps
+    from jaxoverlap.device_state import init_device_state
+    from jaxoverlap.models.config import ModelConfig
+    from jaxoverlap.models.loader import default_model_path, load_params
+    from jaxoverlap.sampling_params import MAX_LOGIT_BIAS
+
+    cfg = ModelConfig.from_path(default_model_path())
+    params = load_params(default_model_path(), cfg, jnp.float32)
+    ps, width, V = 4, 32, cfg.vocab_size
+    state = init_device_state(num_layers=cfg.num_layers, num_slots=16 * ps, num_kv_heads=cfg.num_kv_heads,
+                              head_dim=cfg.head_dim, dtype=jnp.float32, num_entries=5, table_width=width,
+                              penalty_vocab_size=V)
+    res = steps.Reservations.of([1, 1, 2, 2], [0, 1, 0, 1], [1, 2, 3, 4])
+    R = 2
+    inp = steps.PrefillInputs(
+        tokens=np.array([[3, 4, 5, 0], [7, 8, 9, 10]], np.int32), starts=np.zeros(R, np.int32),
+        chunk_lens=np.array([3, 4], np.int32), entries=np.array([1, 2], np.int32),
+        temperature=np.array([0.0, 0.9], np.float32), top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32),
+        min_p=np.zeros(R, np.float32), seed=np.array([1, 2], np.uint32),
+        penalties=penalties.PrefillPenaltyInputs(
+            np.tile(np.asarray([1.3, 0.2, 0.1], np.float32), (R, 1)), np.array([3, 4], np.int32), np.ones(R, bool),
+            np.full((R, penalties.MAX_STOP_IDS), -1, np.int32), np.zeros(R, np.int32),
+            np.full((R, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((R, MAX_LOGIT_BIAS), np.float32)))
+    kw = dict(cfg=cfg, ctx_len=width, page_size=ps)
+    state, _ = steps.prefill_step(params, state, inp, res, **kw)
+    inputs = steps.DecodeInputs.of([1, 2, 0, 0], steps.Reservations.empty(4))
+
+    def copy(s):
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), s)
+
+    words = (V + 31) // 32
+    for sampling in (False, True):
+        fused, out = steps.decode_step(params, copy(state), inputs, sampling=sampling, **kw)
+        half, logits = steps.decode_forward_step(params, copy(state), inputs, **kw)
+        split, out2 = steps.decode_sample_step(half, inputs, logits, np.full((4, words), -1, np.int32),
+                                               sampling=sampling)
+        np.testing.assert_array_equal(out.tokens, out2.tokens)
+        np.testing.assert_allclose(out.logprobs, out2.logprobs, rtol=1e-5, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(split)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # Rows 0 and 1 may take tokens 5 and 6 only.
+    mask = np.full((4, words), -1, np.int32)
+    mask[:2] = 0
+    mask[:2, 0] = (1 << 5) | (1 << 6)
+    half, logits = steps.decode_forward_step(params, copy(state), inputs, **kw)
+    _, out3 = steps.decode_sample_step(half, inputs, logits, mask, sampling=True)
+    assert set(np.asarray(out3.tokens)[:2].tolist()) <= {5, 6}
+
+
 def test_constrained_requests_survive_retraction():
     """A cache too small for every request at once retracts some: a retracted constrained
     request resumes where its grammar stood, with the tokens of a run without retraction."""

@@ -301,9 +301,12 @@ def test_serve_keeps_compiled_programs_by_default():
         config, _ = cli_commands.serve_engine_config(cli.engine_options(p.parse_args(argv)))
         assert config.compilation_cache_dir == want
     assert cli_commands.serve_worker_options(p.parse_args([])) == dict(
-        warmup=True, precompile="auto", precompile_prefill=False, precompile_top_logprobs=False)
-    assert cli_commands.serve_worker_options(p.parse_args(["--precompile", "all", "--precompile-top-logprobs"])) == dict(
-        warmup=True, precompile=True, precompile_prefill=True, precompile_top_logprobs=True)
+        warmup=True, precompile="auto", precompile_prefill=False, precompile_top_logprobs=False,
+        precompile_structured=False)
+    argv = ["--precompile", "all", "--precompile-top-logprobs", "--precompile-structured"]
+    assert cli_commands.serve_worker_options(p.parse_args(argv)) == dict(
+        warmup=True, precompile=True, precompile_prefill=True, precompile_top_logprobs=True,
+        precompile_structured=True)
 
 
 def test_compile_watch_counts_compilations_of_its_own_thread_only():
@@ -354,6 +357,42 @@ def test_warmup_with_top_logprobs_leaves_nothing_to_compile():
     # Everything else was warmed up, so what compiles here is the top-logprobs variants.
     assert counts[False] > 0, "top logprobs compile nothing without their warm-up: the check cannot fail"
     assert counts[True] == 0, f"{counts[True]} programs compiled after warmup(top_logprobs=True)"
+
+
+def test_warmup_with_structured_leaves_nothing_to_compile():
+    """warmup(structured=True) (`jaxoverlap serve --precompile-structured`) also compiles the
+    forward and sampling programs of decode batches with structured output, and with
+    prefill=True each prefill's variant with allowed tokens: constrained requests among
+    plain ones then compile nothing; without it the same workload compiles them on first
+    use (the check can fail)."""
+    from jaxoverlap.models.loader import default_model_path
+    from jaxoverlap.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_path(default_model_path())
+    opts = dict(batch_buckets=(4,), max_context_len=64, max_prefill_requests=2, chunked_prefill_size=32)
+    word = SamplingParams(max_new_tokens=8, temperature=0.0, structured_output={"regex": "[a-z]{4,6}"})
+    plain = SamplingParams(max_new_tokens=6, temperature=0.7, ignore_eos=True)
+    workload = {0: [("a", [3, 4, 5, 6, 7, 8], word), ("b", [9, 10, 11], plain)],
+                2: [("c", list(range(2, 22)), plain)], 4: [("d", [5, 5, 6], word)]}
+    counts = {}
+    # Model shapes no other test uses, so that jit's in-process cache holds none of their programs.
+    for hidden, structured in ((56, False), (104, True)):
+        eng = make_engine(tiny_config(vocab_size=tokenizer.vocab_size, hidden_size=hidden, head_dim=hidden // 4),
+                          tokenizer=tokenizer, **opts)
+        report = eng.warmup(prefill=True, sampling=(False, True), structured=structured)
+        programs = {x["program"] for x in report}
+        assert programs == ({"decode", "prefill", "forward", "sample"} if structured else {"decode", "prefill"})
+        COUNTER.active, COUNTER.count = True, 0
+        try:
+            finals = run_workload(eng, workload)
+        finally:
+            COUNTER.active = False
+        text = tokenizer.decode(finals["a"].token_ids)
+        assert 4 <= len(text) <= 6 and text.isalpha() and text.islower(), text
+        assert len(finals["b"].token_ids) == 6
+        counts[structured] = COUNTER.count
+    assert counts[False] > 0, "structured output compiles nothing without its warm-up: the check cannot fail"
+    assert counts[True] == 0, f"{counts[True]} programs compiled after warmup(structured=True)"
 
 
 def test_precompile_on_a_cpu_stops_with_a_clear_error_before_memory_mappings_run_out(monkeypatch):
