@@ -5,6 +5,7 @@ argparse lives here only; everything below it takes EngineConfig / SamplingParam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -68,6 +69,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-eagle-head-path", default=None)
     s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="decode batches of more rows than this draft nothing (speculation paused)")
+
+
+# What building an engine raises for options or a model folder it cannot use: EngineConfig's
+# checks and the engine's own (a tensor-parallel size the devices do not allow), a checkpoint
+# that is not one (CheckpointError), a --model that is not there.
+BUILD_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
+
+
+@contextlib.contextmanager
+def exit_on_build_error():
+    """Around building an LLM / Engine (or its EngineConfig) from the command line's options:
+    a BUILD_ERRORS error ends the command with its reason in one line, not a traceback. Only
+    around the construction: the same errors later are bugs and keep their traceback."""
+    try:
+        yield
+    except BUILD_ERRORS as e:
+        sys.exit(f"error: {e}")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -152,7 +170,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.json or params.logprobs or params.top_logprobs or params.prompt_logprobs:
             sys.exit("--stream prints text only: drop it for --json, --logprobs, --top-logprobs or --prompt-logprobs")
     t0 = time.perf_counter()
-    llm = LLM(args.model, **engine_options(args))
+    with exit_on_build_error():
+        llm = LLM(args.model, **engine_options(args))
     t_load = time.perf_counter() - t0
     if args.chat:  # each prompt is one user message, under the model's chat template
         if llm.tokenizer is None:
@@ -218,7 +237,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
         sys.exit(f"--chat-template-kwargs is not JSON: {e}")
     if not isinstance(template_kwargs, dict):
         sys.exit("--chat-template-kwargs must be a JSON object")
-    with LLM(args.model, **engine_options(args)) as llm:
+    with exit_on_build_error():
+        llm = LLM(args.model, **engine_options(args))
+    with llm:
         try:
             summary = run_batch(llm, args.input, args.output, defaults, resume=args.resume,
                                 overwrite=args.overwrite, progress=not args.no_progress,

@@ -108,6 +108,11 @@ class SamplingParams:
         def bad(msg: str):
             raise InvalidRequestError(f"invalid sampling params: {msg}")
 
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs", "detokenize"):
+            # Real bools only: any other value (the string "false" from a JSON line, 0/1)
+            # would be taken by its truth value.
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:

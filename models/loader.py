@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from typing import Iterable
 
 import jax
@@ -522,7 +523,10 @@ def load_params(
             logger.info("restored converted weights from %s", cached)
             return params
         except Exception as e:  # a corrupt or incompatible cache must not block serving
-            logger.warning("ignoring unreadable weights cache %s: %s", cached, e)
+            logger.warning("replacing unreadable weights cache %s: %s", cached, e)
+            # Removed, so that the conversion below saves a fresh entry: kept, it would fail
+            # every later load the same way and cost a conversion each time.
+            shutil.rmtree(cached, ignore_errors=True)
     params = _load_safetensors(model_path, cfg, dtype, tp, shardings)
     if cached and not os.path.isdir(cached):
         try:

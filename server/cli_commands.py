@@ -83,11 +83,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+class EngineBuildError(Exception):
+    """build_engine's config or model folder can make no engine: the message of the error
+    the construction raised (jaxoverlap.cli.BUILD_ERRORS), which `serve` reports in one line.
+    Apart from the errors of the worker's warm-up, which keep their traceback."""
+
+
 def build_engine(config):
     """The serve command's engine factory (module-level: an EngineProcess sends it to its child)."""
+    from jaxoverlap.cli import BUILD_ERRORS
     from jaxoverlap.engine import Engine
 
-    return Engine(config)
+    try:
+        return Engine(config)
+    except BUILD_ERRORS as e:
+        raise EngineBuildError(str(e)) from e
 
 
 def serve_engine_config(engine_options: dict):
@@ -127,7 +137,10 @@ def run_serve(args, engine_options: dict) -> int:
 
     if not logging.getLogger().handlers:  # warnings of the server (drain, engine death) on stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config, server_max_queued = serve_engine_config(engine_options)
+    from jaxoverlap.cli import exit_on_build_error
+
+    with exit_on_build_error():
+        config, server_max_queued = serve_engine_config(engine_options)
     worker_options = serve_worker_options(args)
     if getattr(args, "engine_thread", False):
         worker = EngineWorker(engine_factory=functools.partial(build_engine, config), **worker_options)
@@ -137,7 +150,12 @@ def run_serve(args, engine_options: dict) -> int:
         worker = EngineProcess(functools.partial(build_engine, config), **worker_options)
     t0 = time.perf_counter()
     print(f"loading {config.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError as e:  # "engine failed to start", from what the engine or its warm-up raised
+        if isinstance(e.__cause__, EngineBuildError):
+            sys.exit(f"error: {e.__cause__}")
+        raise
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     max_queued = getattr(args, "max_queued_requests", None)
     if max_queued is None:
@@ -232,10 +250,13 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _ids(text: str | None):
+def _ids(text: str | None, flag: str):
     if not text:
         return None
-    return [int(t) for t in text.replace(" ", "").split(",") if t]
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
 def run_client(args) -> int:
@@ -258,13 +279,18 @@ def run_client(args) -> int:
             client.abort(args.abort)
             print(f"aborted {args.abort}")
             return 0
-        token_ids = _ids(args.token_ids)
+        try:
+            token_ids = _ids(args.token_ids, "--token-ids")
+            stop_token_ids = _ids(args.stop_token_ids, "--stop-token-ids")
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
         if (args.prompt is None) == (token_ids is None):
             print("give a prompt or --token-ids (one of them)", file=sys.stderr)
             return 2
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                        stop_token_ids=_ids(args.stop_token_ids), ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                        stop_token_ids=stop_token_ids, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
                         top_logprobs=args.top_logprobs,
                         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                         presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens,

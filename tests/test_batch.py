@@ -51,6 +51,8 @@ BAD = [  # (line, id of its error result, what the error says)
     ('{"id": "story", "prompt": "again"}', "story", "used by an earlier line"),
     ('{"id": true, "prompt": "hi"}', 15, "id must be a string or an integer"),
     ("[1, 2]", 16, "must be a JSON object"),
+    ('{"id": "s", "prompt": "hi", "sampling_params": {"ignore_eos": "false"}}', "s",
+     "ignore_eos must be true or false"),
 ]
 
 
@@ -276,6 +278,22 @@ def test_cli_mistakes_are_refused_before_the_model_loads(tmp_path):
     ]:
         with pytest.raises(SystemExit, match=message):
             main(args + nowhere)
+
+
+def test_cli_says_in_one_line_why_no_engine_can_be_built(tmp_path):
+    """A model folder that is not there, or engine options no engine can take, end the
+    command with the reason (exit status 1, as the CLI's other refusals), not a traceback."""
+    from jaxoverlap.cli import main
+
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello"}])
+    for command in (["generate", "hi"], ["batch", inp, "-o", str(tmp_path / "out.jsonl"), "--no-progress"]):
+        for options, message in ((["--model", str(tmp_path / "no-model")], r"error: .*No such file .*no-model"),
+                                 (["--page-size", "0"], "error: page_size must be >= 1, got 0"),
+                                 (["--tensor-parallel-size", "64"], "error: tensor_parallel_size=64")):
+            with pytest.raises(SystemExit, match=message) as e:
+                main(command + options)
+            assert "\n" not in str(e.value.code)
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_cli_generate_says_why_a_prompt_is_refused():

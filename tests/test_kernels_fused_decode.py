@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import jax
 import jax.numpy as jnp
 
 from jaxoverlap.models.transformer import apply_rope, rms_norm, split_qkv

@@ -367,6 +367,31 @@ def test_orbax_cache_round_trip(hf_checkpoint, tmp_path, monkeypatch):
     assert os.path.isdir(loader.cache_path(cache, path, jnp.float32))
 
 
+def test_a_broken_cache_entry_is_replaced(hf_checkpoint, tmp_path, monkeypatch):
+    """An entry whose data was cut short (disk full, a killed copy) is converted again once
+    and saved afresh, not converted again on every later load."""
+    src = hf_checkpoint("qwen2")
+    path = str(tmp_path / "m")
+    shutil.copytree(src, path)
+    cache = str(tmp_path / "cache")
+    cfg = ModelConfig.from_path(path)
+    first = load_params(path, cfg, jnp.float32, cache_dir=cache)
+    entry = loader.cache_path(cache, path, jnp.float32)
+    data = [os.path.join(d, n) for d, _, names in os.walk(entry) for n in names if os.path.basename(d) == "d"]
+    biggest = max(data, key=os.path.getsize)
+    with open(biggest, "r+b") as f:
+        f.truncate(os.path.getsize(biggest) // 2)
+
+    converted = []
+    convert = loader._load_safetensors
+    monkeypatch.setattr(loader, "_load_safetensors", lambda *a, **k: converted.append(1) or convert(*a, **k))
+    for _ in range(2):
+        params = load_params(path, cfg, jnp.float32, cache_dir=cache)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert converted == [1]  # the second load restored the rewritten entry
+
+
 # ---------------------------------------------------------------------------- default model
 
 

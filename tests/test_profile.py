@@ -99,6 +99,25 @@ def test_execution_from_before_the_trace_stays_unplaced():
     assert {o.run_id for o in a.unplaced} == {"1"} and len(a.unplaced) == 4
 
 
+def test_overlap_step_in_flight_when_the_trace_starts_is_not_given_to_the_first_launch():
+    # Overlap: the step launched before the trace (run "1") only starts on the device after
+    # the first traced launch span has begun. Launch order alone would hand it to launch 0
+    # (and launch 0's own execution, "2", would then go unplaced); there are more
+    # executions than launches, and the trace ends on a completed step, so the extra one is
+    # the oldest.
+    ev = cpu_header()
+    ev += launch(0, 0.0)
+    ev += cpu_execution("1", 20.0, op_us=25.0)  # [20, 120]: launched before the trace
+    ev += cpu_execution("2", 120.0, op_us=25.0)  # launch 0's step, queued behind it
+    for k in (1, 2):
+        ev += launch(k, 100.0 * k + 50.0)
+        ev += cpu_execution(str(2 + k), 120.0 + 100.0 * k, op_us=25.0)
+    a = trace.attribute_events(ev)
+    assert [{o.run_id for o in s.ops} for s in a.steps] == [{"2"}, {"3"}, {"4"}]
+    assert {o.run_id for o in a.unplaced} == {"1"}
+    assert a.gaps() == pytest.approx([0.0, 0.0])
+
+
 def test_programs_matched_by_name_and_order():
     # A prefill launch and a decode launch whose executions start in the other order: the
     # names, not the start times, decide.
@@ -453,14 +472,58 @@ def test_the_traced_runs_wall_leaves_out_the_profiler(monkeypatch):
     assert run.wall_s < 1.0
 
 
+def test_the_trace_starts_with_no_step_in_flight(monkeypatch):
+    """Under overlap a step is in flight when the window opens: the profile waits for it
+    first, so none of its device ops runs inside the trace (it would be a step that no
+    traced launch launched)."""
+    import jax
+
+    from engine_fixtures import make_engine
+
+    from jaxoverlap.profiling import capture
+
+    engine = make_engine()
+    ready_at_start = []
+    start = jax.profiler.start_trace
+
+    def checked_start(*args, **kwargs):
+        ready_at_start.append(all(leaf.is_ready() for leaf in jax.tree.leaves(engine.runner.state)))
+        start(*args, **kwargs)
+
+    monkeypatch.setattr(jax.profiler, "start_trace", checked_start)
+    w = capture.Workload(batch_size=2, prompt_len=8, new_tokens=10)
+    runner = capture.WorkloadRunner(engine)
+    runner.run(w, "overlap")  # compiles
+    with tempfile.TemporaryDirectory() as d:
+        run = runner.run(w, "overlap", capture.TraceWindow(steps=3, skip=2), d)
+    assert ready_at_start == [True]
+    assert not run.attribution.unplaced and len(run.attribution.steps) == 3
+
+
 def test_profile_cli_refuses_options_it_cannot_honour(tmp_path):
     from jaxoverlap.cli import main
 
     base = ["profile", "--out", str(tmp_path / "p"), "--model", str(tmp_path / "no-model")]
     for extra, message in ((["--repeats", "0"], "--repeats must be >= 1"), (["--steps", "0"], "--steps must be >= 1"),
-                           (["--skip", "-1"], "--skip must be >= 0"), (["--disable-overlap"], "drop --disable-overlap")):
+                           (["--skip", "-1"], "--skip must be >= 0"), (["--disable-overlap"], "drop --disable-overlap"),
+                           (["--batch-size", "2", "0"], "--batch-size must be >= 1, got 0"),
+                           (["--prompt-len", "0"], "--prompt-len must be >= 1, got 0"),
+                           ([], r"error: .*No such file .*no-model")):  # the model folder is not there
         with pytest.raises(SystemExit, match=message):
             main(base + extra)
+
+
+def test_profile_cli_refuses_a_prompt_the_engine_cannot_take_before_any_run(tmp_path, monkeypatch):
+    from jaxoverlap.cli import main
+    from jaxoverlap.profiling import capture
+
+    def no_profile(*a, **k):
+        raise AssertionError("compiled and ran the workload before its requests were checked")
+
+    monkeypatch.setattr(capture, "profile", no_profile)
+    with pytest.raises(SystemExit, match="--prompt-len 100: prompt has 100 tokens; .* at most 63 prompt tokens fit"):
+        main(["profile", "--out", str(tmp_path / "p"), "--batch-size", "1", "--prompt-len", "100", "--new-tokens", "10",
+              "--max-running-requests", "4", "--max-context-len", "64", "--kv-cache-tokens", "512"])
 
 
 def test_timeline_intervals_merge_back_to_back_ops():

@@ -225,6 +225,16 @@ def test_penalty_params_are_checked_and_refused_where_not_served():
     assert len(run_workload(spec, {})["a"].token_ids) == 3
 
 
+def test_boolean_params_take_only_bools():
+    """A JSON batch line's "false" (a string) is true to Python: the flags take real bools."""
+    for name in ("ignore_eos", "logprobs", "prompt_logprobs", "detokenize"):
+        for value in ("false", 0, 1, None):
+            with pytest.raises(InvalidRequestError, match=f"{name} must be true or false"):
+                SamplingParams(**{name: value})
+        assert getattr(SamplingParams(**{name: True}), name) is True
+        assert getattr(SamplingParams(**{name: False}), name) is False
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_top_logprobs_match_a_dense_forward(overlap):
     """top_logprobs: per output token (the prefill's first), the k most likely tokens of the

@@ -567,6 +567,27 @@ def test_bench_reports_the_servers_engine_loop(env):
 
 
 @pytest.mark.parametrize("where", ["process", "thread"])
+def test_serve_command_says_in_one_line_why_no_engine_can_be_built(tmp_path, where):
+    """Options no engine can take, or a model folder that is not there: `serve` ends with the
+    reason (exit status 1, as the CLI's other refusals), not a traceback."""
+    from jaxoverlap.cli import main
+
+    thread = ["--engine-thread"] if where == "thread" else []
+    with pytest.raises(SystemExit, match="error: page_size must be >= 1, got 0"):
+        main(["serve", "--port", "0", "--no-warmup", "--page-size", "0", *thread])
+    with pytest.raises(SystemExit, match=r"error: .*No such file .*no-model"):
+        main(["serve", "--port", "0", "--no-warmup", "--model", str(tmp_path / "no-model"), *thread])
+
+
+def test_client_command_refuses_token_ids_that_are_not_integers(capsys):
+    from jaxoverlap.cli import main
+
+    for flag in ("--token-ids", "--stop-token-ids"):
+        assert main(["client", "--target", "127.0.0.1:1", "--token-ids", "1,2", flag, "1,x"]) == 2
+        assert f"{flag}: expected comma-separated integers, got '1,x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["process", "thread"])
 def test_serve_command_drains_on_sigterm(tmp_path, where):
     """`jaxoverlap serve` end to end: it serves, and a signal lets a running stream finish.
     With the engine in a process of its own (the default) the signal is a terminal's Ctrl-C,

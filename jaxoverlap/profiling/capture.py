@@ -31,6 +31,15 @@ class Workload:
     prompt_len: int
     new_tokens: int
 
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.new_tokens, temperature=0.0, ignore_eos=True)
+
+
+def check_workload(engine: Engine, w: Workload) -> None:
+    """Raises the InvalidRequestError (PromptTooLongError: a prompt the context cannot hold)
+    that engine.add_request would raise for the workload's requests, before anything runs."""
+    engine.check_request([1] * w.prompt_len, w.params())
+
 
 @dataclasses.dataclass(frozen=True)
 class TraceWindow:
@@ -61,7 +70,7 @@ class WorkloadRunner:
 
     def _submit(self, w: Workload) -> None:
         vocab = self.engine.model_config.vocab_size
-        params = SamplingParams(max_new_tokens=w.new_tokens, temperature=0.0, ignore_eos=True)
+        params = w.params()
         for i in range(w.batch_size):
             prompt = self._rng.integers(1, vocab, w.prompt_len).tolist()  # [prompt_len]
             self.engine.add_request(f"profile-{self._runs}-{i}", prompt, params)
@@ -83,7 +92,7 @@ class WorkloadRunner:
         while engine.has_work():
             if window is not None and not tracing and traced == 0 and self._steady(window.skip):
                 t = time.perf_counter()
-                _start_trace(trace_dir)
+                _start_trace(trace_dir, engine)
                 profiler_s += time.perf_counter() - t
                 tracing = True
             engine.step()
@@ -111,7 +120,13 @@ class WorkloadRunner:
         return len(t) >= skip and all(t[-1 - i].kind == "decode" for i in range(skip))
 
 
-def _start_trace(trace_dir: str) -> None:
+def _start_trace(trace_dir: str, engine: Engine) -> None:
+    # Under overlap the step launched by the last untraced iteration is still in flight: wait
+    # for it (the device state is its output) so that none of its ops runs inside the trace,
+    # where no traced launch launched it. The first traced launch then finds the device
+    # idle, as it mostly would anyway after the profiler's slow start; the steps after it
+    # are back in the loop's steady state (report.timeline_section skips the first).
+    jax.block_until_ready(engine.runner.state)
     # The Python tracer would record every Python call and slow the host several times over,
     # which is the very time this profile measures; JAX's own C++ host events stay.
     options = jax.profiler.ProfileOptions()

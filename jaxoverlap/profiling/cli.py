@@ -25,8 +25,10 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
 def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
     import jax
 
+    from jaxoverlap.cli import exit_on_build_error
     from jaxoverlap.config import EngineConfig
     from jaxoverlap.engine import Engine
+    from jaxoverlap.errors import InvalidRequestError
     from jaxoverlap.profiling import capture, report
 
     for name in ("steps", "repeats"):
@@ -34,6 +36,10 @@ def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
             sys.exit(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.skip < 0:
         sys.exit(f"--skip must be >= 0, got {args.skip}")
+    if min(args.batch_size) < 1:
+        sys.exit(f"--batch-size must be >= 1, got {min(args.batch_size)}")
+    if args.prompt_len < 1:
+        sys.exit(f"--prompt-len must be >= 1, got {args.prompt_len}")
     if engine_options.get("disable_overlap"):
         sys.exit("profile runs both loops, overlap and normal, itself: drop --disable-overlap")
     if args.new_tokens < args.skip + 2:
@@ -43,8 +49,14 @@ def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
     if opts.get("max_running_requests", needed) < needed:
         sys.exit(f"--batch-size {needed} > --max-running-requests {opts['max_running_requests']}")
     os.makedirs(args.out, exist_ok=True)
-    engine = Engine(EngineConfig.from_options(args.model, **opts))
+    with exit_on_build_error():
+        engine = Engine(EngineConfig.from_options(args.model, **opts))
     workloads = [capture.Workload(b, args.prompt_len, args.new_tokens) for b in args.batch_size]
+    try:  # a prompt this engine cannot take (longer than its context): say so before compiling anything
+        for w in workloads:
+            capture.check_workload(engine, w)
+    except InvalidRequestError as e:
+        sys.exit(f"--prompt-len {args.prompt_len}: {e}")
     print(f"profiling {engine.model_name} on {jax.devices()[0].device_kind} ({jax.default_backend()}): "
           f"batch {args.batch_size}, prompt {args.prompt_len}, {args.new_tokens} new tokens", file=sys.stderr)
     results = capture.profile(engine, workloads, repeats=args.repeats,

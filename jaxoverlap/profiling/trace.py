@@ -39,8 +39,11 @@ Attribution of ops to steps, first rule that applies:
    of one program run in the order they were launched (one queue), so each launch takes,
    in launch order, the earliest unplaced execution of each program it dispatched
    (`PjitFunction` events) that starts after the launch span starts. Executions that
-   start before the first launch (launched before the trace began) stay unplaced. Where
-   the trace shows no `PjitFunction` events, each launch takes one execution of any program;
+   start before the first launch (launched before the trace began) stay unplaced, and so
+   do the oldest executions of a program beyond the launches left to take one: the trace
+   ends on a completed step, so an extra one was launched before the trace, even where
+   (under overlap) it started only after the first launch span had begun. Where the
+   trace shows no `PjitFunction` events, each launch takes one execution of any program;
 4. what is left (device-to-host copies, ops without ids) follows a step: it goes to the
    step whose kernels, as placed so far, ended last before the op starts ("after_step");
    an op before all of them stays unplaced (it belongs to a step from before the trace).
@@ -373,7 +376,17 @@ def attribute(parsed: ParsedTrace) -> Attribution:
     queues: dict[str | None, list] = collections.defaultdict(list)
     for ts, key, members in sorted(pending, key=lambda p: p[0]):
         queues[key[0] if any_programs else None].append((ts, members))
-    heads = collections.Counter()  # program -> position of its next unplaced execution
+    # Launches still without an execution of each program: its dispatches less the
+    # executions that rule 2 placed.
+    slots = collections.Counter(p for l in launches for p in (l.programs if any_programs else (None,)))
+    for key, members in executions.items():
+        if any(i in owner for i in members):
+            slots[key[0] if any_programs else None] -= 1
+    # The trace ends on a completed step, so executions beyond those slots are the oldest:
+    # a step launched before the trace that under overlap starts running only after the
+    # first launch span began. Skipping them keeps it from taking launch 0's place.
+    # heads: program -> position of its next unplaced execution.
+    heads = collections.Counter({p: max(0, len(q) - slots[p]) for p, q in queues.items()})
     for k, launch in enumerate(launches):
         for program in (launch.programs if any_programs else (None,)):
             queue = queues.get(program, [])
