@@ -161,6 +161,10 @@ class IncrementalDecoder:
 
     The concatenation of every `step` result and the final `flush()` equals
     `decode(generated_ids)` (given no prompt; with a prompt, the text that follows it).
+    A prompt that ends inside a multi-byte character owns that character: the output's
+    text is what follows it, whether the output completes the character or breaks it off
+    (then none of the character's U+FFFDs are emitted either), for byte-level BPE (which
+    renders the dangling bytes as one U+FFFD) and ByteFallback (one per byte token) alike.
 
     The work is done by the `tokenizers` library's own `DecodeStream` (the same window
     method, in Rust: 3x faster per token than two `decode` calls from Python, measured on
@@ -181,10 +185,15 @@ class IncrementalDecoder:
         self._context: list[int] = [int(i) for i in prompt_ids[max(len(prompt_ids) - _CONTEXT_TOKENS, 0) :]]
         self._pending: list[int] = []
         self._stream = None
+        # The text that the prompt's incomplete last character renders as (see _split_dangling),
+        # until the output completes or breaks it; None once it has, or with no such prompt.
+        self._dangling: str | None = None
         # DecodeStream repeats part of a context that ends in an incomplete character (a
         # prompt cut inside a multi-byte character's tokens) in its first text; the window
         # method below does not.
-        if _DecodeStream is not None and not (self._context and self._decode(self._context).endswith(_REPLACEMENT)):
+        if self._context and self._decode(self._context).endswith(_REPLACEMENT):
+            self._split_dangling()
+        elif _DecodeStream is not None:
             try:
                 self._stream = _DecodeStream(ids=list(self._context), skip_special_tokens=skip_special_tokens)
             except TypeError:  # a tokenizers release whose DecodeStream takes no prompt ids
@@ -192,6 +201,44 @@ class IncrementalDecoder:
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def _split_dangling(self) -> None:
+        """Split a context whose text ends in an incomplete character: the shortest tail of
+        ids without which the text ends in complete characters becomes pending (so the output
+        is decoded after it), and what that tail renders as now is kept in `_dangling`.
+
+        Subtracting the whole context's text instead is right for byte-level BPE, whose
+        dangling bytes render as one U+FFFD just as the completed character is one character,
+        but not for ByteFallback (Llama 2, Mistral, TinyLlama): one U+FFFD per byte token,
+        so that the first output characters were cut off."""
+        ctx = self._context
+        text = self._decode(ctx)
+        cut, head = 0, ""
+        for n in range(len(ctx) - 1, 0, -1):  # at most _CONTEXT_TOKENS decodes, once
+            head = self._decode(ctx[:n])
+            if not head.endswith(_REPLACEMENT) and text.startswith(head):
+                cut = n
+                break
+        else:
+            head = ""
+        self._context, self._pending = ctx[:cut], ctx[cut:]
+        self._dangling = text[len(head) :]
+
+    def _drop_dangling(self, text: str) -> str:
+        """`text` (what follows the complete context) less the prompt's cut character.
+
+        While dangling, that character rendered as `_dangling`: complete text, then one
+        U+FFFD (byte-level BPE) or several (ByteFallback). Now `text` starts with the same
+        complete text, then either the completed character (one character, not U+FFFD), or
+        the same U+FFFDs: the character was broken off. Either way it is the prompt's. (For
+        byte-level BPE this drops exactly len(_dangling) characters, as before.)"""
+        dangling, self._dangling = self._dangling, None
+        common = 0
+        for a, b in zip(dangling, text):
+            if a != b:
+                break
+            common += 1
+        return text[common if common == len(dangling) else common + 1 :]
 
     def _window_delta(self) -> str | None:
         """The text that the pending ids add to their context's, or None while there is none
@@ -201,6 +248,8 @@ class IncrementalDecoder:
         new_text = self._decode(self._context + self._pending)
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return None
+        if self._dangling is not None:
+            return self._drop_dangling(new_text[len(prefix_text) :])
         return new_text[len(prefix_text) :]
 
     def step(self, new_ids: int | Iterable[int]) -> str:
@@ -234,5 +283,7 @@ class IncrementalDecoder:
             return ""
         prefix_text = self._decode(self._context)
         delta = self._decode(self._context + self._pending)[len(prefix_text) :]
+        if self._dangling is not None:
+            delta = self._drop_dangling(delta)
         self._context, self._pending = self._pending, []
         return delta

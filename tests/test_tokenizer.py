@@ -57,7 +57,7 @@ def _decoder(tok: Tokenizer, prompt=(), backend: str = "library") -> Incremental
     dec = tok.incremental_decoder(prompt)
     if backend == "python":
         dec._stream = None
-    else:
+    elif not (prompt and tok.decode(prompt).endswith("\ufffd")):  # a cut prompt takes the window method
         assert dec._stream is not None, "this tokenizers release has no DecodeStream with prompt ids"
     return dec
 
@@ -238,3 +238,31 @@ def test_decoder_state_stays_small_over_a_long_stream(default_tok, backend):
         dec.step(i)
         longest = max(longest, len(dec._context) + len(dec._pending))
     assert longest <= 8
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_output_completing_a_prompts_cut_character_loses_none_of_its_text(default_tok, kind, chunk, backend):
+    """A prompt cut inside a multi-byte character (3-byte 中 after 1 or 2 bytes, a 2-byte é,
+    the 4-byte 🙂 after 1 to 3) owns that character: the output's text is what follows it,
+    whether the output completes it or not. Byte-level BPE renders the dangling bytes as one
+    U+FFFD, ByteFallback as one per byte token: the text must not depend on that (it used to
+    lose one output character per extra U+FFFD)."""
+    tok = default_tok if kind == "byte_level" else _byte_fallback_tokenizer()
+    text = "hello 中 world 🙂 héllo 中abc"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    abc = [tok.token_to_id(c) for c in "abc"]
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    if kind == "byte_fallback":  # every byte of every multi-byte character but its last
+        assert len(cuts) == 2 + 3 + 1 + 2
+    for k in cuts:
+        prompt, out = ids[:k], ids[k:]
+        # The prompt's text, its cut character included (all trailing U+FFFDs stand for it).
+        covered = len(tok.decode(prompt).rstrip("\ufffd")) + 1
+        deltas = _stream(tok, out, prompt=prompt, chunk=chunk, backend=backend)
+        assert "".join(deltas) == text[covered:], (k, deltas)
+        assert not any("\ufffd" in d for d in deltas)
+        # An output that breaks the character off adds none of its U+FFFDs either.
+        assert "".join(_stream(tok, abc, prompt=prompt, chunk=chunk, backend=backend)) == "abc"
+        assert _stream(tok, [], prompt=prompt, backend=backend) == [""]  # no output, no text
