@@ -119,7 +119,6 @@ def test_a_split_step_is_the_fused_step():
     """decode_forward_step then decode_sample_step with every token allowed leaves the state
     and results of decode_step, greedy and sampled with penalties; with a mask, only allowed
     tokens come out."""
-
     import jax
     import jax.numpy as jnp
 
