@@ -7,6 +7,7 @@ constrained as in structured_bench.py, overlap on). Variants, in turn on one eng
   default    as the engine runs
   put_mask   the mask sent with jax.device_put before the sampling's call (timed apart)
   one_exe    one executable per program instead of two in turn (alternate_executables off)
+  new_logits each forward pass writes its logits into a new buffer (ModelRunner.reuse_logits off)
 
 With --trace, one more constrained run at the largest batch is traced with the host tracer
 only (as benchmarks/host_spans.py does): the host spans inside the forward pass's launch and
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_table, write_results  # noqa: E402
 
 REGEX = "[a-z ]{1,2000}"
-VARIANTS = ("plain", "default", "put_mask", "one_exe")
+VARIANTS = ("plain", "default", "put_mask", "one_exe", "new_logits")
 
 
 def main():
@@ -118,13 +119,18 @@ def main():
     for B in args.batches:
         run(B, seed=99)  # compiles
         run(B, seed=98, constrained=False)
+        if "new_logits" in args.variants:  # its forward program (no logits argument) compiles outside the runs
+            runner.reuse_logits = False
+            run(B, seed=97)
+            runner.reuse_logits = True
         got = collections.defaultdict(list)
         for rep in range(args.repeats):
             for variant in args.variants:
                 mode["variant"] = variant
                 runner.alternate_executables = variant != "one_exe"
+                runner.reuse_logits = variant != "new_logits"
                 got[variant].append(run(B, seed=rep, constrained=variant != "plain"))
-        mode["variant"], runner.alternate_executables = "default", True
+        mode["variant"], runner.alternate_executables, runner.reuse_logits = "default", True, True
         for variant in args.variants:
             res = got[variant]
             row = {"batch": B, "variant": variant}
@@ -156,19 +162,10 @@ def trace_parts(engine, run, B: int) -> dict:
     jax.block_until_ready(engine.runner.state)
     jax.profiler.stop_trace()
     events = load_events(trace_dir)
-    launches = [e for e in events if e.get("ph") == "X" and e.get("name") == "jaxoverlap.launch"]
-    # A launch's part: the step program called inside it, on its thread.
-    calls = [e for e in events if e.get("ph") == "X" and "decode_" in str(e.get("name"))]
-
-    def part(launch) -> str:
-        t0, t1 = float(launch["ts"]), float(launch["ts"]) + float(launch["dur"])
-        for e in calls:
-            if e.get("tid") == launch.get("tid") and t0 <= float(e["ts"]) <= t1:
-                name = str(e["name"])
-                return "forward" if "forward" in name else "sample" if "sample" in name else "decode"
-        return "other"
-
-    parts = {id(e): part(e) for e in launches}
+    # Every decode iteration of the run launches a forward pass, then a sampling: in turn.
+    launches = sorted((e for e in events if e.get("ph") == "X" and e.get("name") == "jaxoverlap.launch"
+                       and str((e.get("args") or {}).get("kind")) == "decode"), key=lambda e: float(e["ts"]))
+    parts = {id(e): ("forward", "sample")[i % 2] for i, e in enumerate(launches)}
     out = {}
     for name in ("forward", "sample"):
         keep = [e for e in events if id(e) not in parts or parts[id(e)] == name]
