@@ -465,6 +465,9 @@ class BenchConfig:
     top_p: float | None = None
     top_k: int | None = None
     ignore_eos: bool = True
+    # Every request's structured output ({"json_schema": ...} | {"regex": ...} | {"choice": [...]}):
+    # a request then ends where its grammar does, before its planned output length.
+    structured_output: dict | None = None
     timeout: float | None = None
     token: str | None = None
     tls_ca: str | None = None
@@ -503,7 +506,7 @@ async def benchmark(cfg: BenchConfig) -> dict:
         requests = build_requests(cfg, vocab, eos)
         offsets = arrival_offsets(len(requests), cfg.request_rate, random.Random(cfg.seed + 1), cfg.burstiness)
         sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-                    "ignore_eos": cfg.ignore_eos}
+                    "ignore_eos": cfg.ignore_eos, "structured_output": cfg.structured_output}
 
         for c in clients:  # compile/caches warm, outside the timed region
             warm = [dataclasses.replace(r, output_len=min(r.output_len, 16)) for r in requests[: cfg.warmup_requests]]
@@ -599,6 +602,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--disable-ignore-eos", action="store_true", help="let EOS end requests early")
+    from jaxoverlap.cli import add_structured_output_args
+
+    add_structured_output_args(p)  # every request constrained; it ends where its grammar does
     p.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds")
     p.add_argument("--token", default=os.environ.get("JAXOVERLAP_AUTH_TOKEN"),
                    help="bearer token (default: $JAXOVERLAP_AUTH_TOKEN)")
@@ -612,6 +618,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def config_from_args(args) -> BenchConfig:
+    from jaxoverlap.structured import from_command_line
+
     return BenchConfig(
         targets=args.target or ["127.0.0.1:50051"], labels=args.label, dataset=args.dataset,
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
@@ -620,17 +628,23 @@ def config_from_args(args) -> BenchConfig:
         burstiness=args.burstiness, goodput=parse_goodput(args.goodput),
         max_concurrency=args.max_concurrency, compare_mode=args.compare_mode, rounds=args.rounds,
         warmup_requests=args.warmup_requests, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, ignore_eos=not args.disable_ignore_eos, timeout=args.request_timeout, token=args.token,
+        top_k=args.top_k, ignore_eos=not args.disable_ignore_eos,
+        structured_output=from_command_line(args.json_schema, args.regex, args.choice),
+        timeout=args.request_timeout, token=args.token,
         tls_ca=args.tls_ca, tls=args.tls, output_file=args.output_file, save_requests=args.save_requests,
         progress=not args.no_progress)
 
 
 def run_bench(args) -> int:
-    cfg = config_from_args(args)  # parses the SLOs: a typo fails here, before connecting
-    # Validate the length specs and the arrival shape before connecting, so typos fail fast.
-    LengthDist.parse(cfg.input_len)
-    LengthDist.parse(cfg.output_len)
-    arrival_offsets(1, cfg.request_rate, random.Random(0), cfg.burstiness)
+    try:
+        cfg = config_from_args(args)  # parses the SLOs and the constraint: a typo fails here, before connecting
+        # Validate the length specs and the arrival shape before connecting, so typos fail fast.
+        LengthDist.parse(cfg.input_len)
+        LengthDist.parse(cfg.output_len)
+        arrival_offsets(1, cfg.request_rate, random.Random(0), cfg.burstiness)
+    except ValueError as e:  # (InvalidRequestError too)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     report = asyncio.run(benchmark(cfg))
     print(format_table(report["results"]))
     path = cfg.output_file

@@ -650,6 +650,16 @@ def test_tls_and_token(tmp_path):
 # ---- bench and CLI glue -------------------------------------------------------------------------
 
 
+def test_bench_refuses_bad_options_before_connecting(capsys):
+    parser = argparse.ArgumentParser()
+    cli_commands.add_bench_args(parser)
+    for argv, message in ((["--goodput", "bad"], "goodput SLO 'bad'"), (["--json-schema", "{bad"], "not JSON"),
+                          (["--regex", "a", "--choice", "b"], "give one of"), (["--input-len", "x"], "")):
+        # No server listens there: a refusal comes before any connection.
+        assert cli_commands.run_bench(parser.parse_args(["--target", "127.0.0.1:1", *argv])) == 2, argv
+        assert message in capsys.readouterr().err
+
+
 def test_bench_compare_two_targets(served, tmp_path, capsys):
     _, _, st, client = served
     parser = argparse.ArgumentParser()

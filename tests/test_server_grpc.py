@@ -563,6 +563,21 @@ def test_bench_reports_the_servers_engine_loop(env):
     assert "Engine host time per decode step (ms)" in bench.format_table(report["results"])
 
 
+def test_bench_with_structured_output(env):
+    """`jaxoverlap bench --choice ...`: every request is constrained and ends where its
+    grammar does ("stop", one choice's tokens), long before its planned output length."""
+    from jaxoverlap.server import bench
+
+    cfg = bench.BenchConfig(targets=[env["main"].target], num_prompts=4, input_len="8", output_len="40",
+                            max_concurrency=2, progress=False, warmup_requests=0, save_requests=True,
+                            structured_output={"choice": ["red", "green"]})
+    report = asyncio.run(bench.benchmark(cfg))
+    result = report["results"]["result"]
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert 4 <= result["total_output_tokens"] < 4 * 40
+    assert report["config"]["structured_output"] == {"choice": ["red", "green"]}
+
+
 # ---- the `jaxoverlap serve` command -------------------------------------------------------------
 
 
