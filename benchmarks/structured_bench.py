@@ -30,6 +30,29 @@ from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_t
 REGEX = "[a-z ]{1,2000}"
 
 
+def build_engine(tiny: bool, batches):
+    """An engine of Qwen3-8B shapes (TINY with `tiny`), dummy weights, and the embedded model's
+    tokenizer standing in (see above), for batches up to max(batches) of 64-token prompts."""
+    import jax.numpy as jnp
+
+    from jaxoverlap.config import EngineConfig
+    from jaxoverlap.engine import Engine
+    from jaxoverlap.models.config import ModelConfig
+    from jaxoverlap.models.loader import default_model_path, dummy_params
+    from jaxoverlap.models.tokenizer import Tokenizer
+
+    hf = TINY if tiny else QWEN3_8B
+    cfg = ModelConfig.from_hf_dict(hf)
+    dtype = "float32" if tiny else "bfloat16"
+    params = dummy_params(cfg, jnp.dtype(dtype), seed=0)
+    max_b = max(batches)
+    return Engine(EngineConfig(
+        model=model_dir(hf), load_format="dummy", dtype=dtype, max_running_requests=max_b, max_context_len=512,
+        kv_cache_tokens=max_b * 512, page_size=16, batch_buckets=tuple(sorted(batches)),
+        disable_prefix_cache=True), model_config=cfg, params=params,
+        tokenizer=Tokenizer.from_path(default_model_path()))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -42,26 +65,12 @@ def main():
     ap.add_argument("--out", default="structured_bench.json")
     args = ap.parse_args()
     ensure_importable()
-    import jax.numpy as jnp
     import numpy as np
 
-    from jaxoverlap.config import EngineConfig
-    from jaxoverlap.engine import Engine
-    from jaxoverlap.models.config import ModelConfig
-    from jaxoverlap.models.loader import default_model_path, dummy_params
-    from jaxoverlap.models.tokenizer import Tokenizer
     from jaxoverlap.sampling_params import SamplingParams
 
-    hf = TINY if args.tiny else QWEN3_8B
-    cfg = ModelConfig.from_hf_dict(hf)
-    dtype = "float32" if args.tiny else "bfloat16"
-    params = dummy_params(cfg, jnp.dtype(dtype), seed=0)
-    tokenizer = Tokenizer.from_path(default_model_path())
-    max_b = max(args.batches)
-    engine = Engine(EngineConfig(
-        model=model_dir(hf), load_format="dummy", dtype=dtype, max_running_requests=max_b, max_context_len=512,
-        kv_cache_tokens=max_b * 512, page_size=16, batch_buckets=tuple(sorted(args.batches)),
-        disable_prefix_cache=True), model_config=cfg, params=params, tokenizer=tokenizer)
+    engine = build_engine(args.tiny, args.batches)
+    cfg = engine.model_config
 
     compiled = []
     if args.precompile:  # the programs a server's --precompile-structured adds, and their compile time

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_table, write_results  # noqa: E402
+from common import ensure_importable, median, print_table, write_results  # noqa: E402
 
 REGEX = "[a-z ]{1,2000}"
 VARIANTS = ("plain", "default", "put_mask", "one_exe", "new_logits")
@@ -46,27 +46,13 @@ def main():
     args = ap.parse_args()
     ensure_importable()
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from jaxoverlap.config import EngineConfig
-    from jaxoverlap.engine import Engine
-    from jaxoverlap.models.config import ModelConfig
-    from jaxoverlap.models.loader import default_model_path, dummy_params
-    from jaxoverlap.models.tokenizer import Tokenizer
     from jaxoverlap.sampling_params import SamplingParams
+    from structured_bench import build_engine
 
-    hf = TINY if args.tiny else QWEN3_8B
-    cfg = ModelConfig.from_hf_dict(hf)
-    dtype = "float32" if args.tiny else "bfloat16"
-    params = dummy_params(cfg, jnp.dtype(dtype), seed=0)
-    tokenizer = Tokenizer.from_path(default_model_path())
-    max_b = max(args.batches)
-    engine = Engine(EngineConfig(
-        model=model_dir(hf), load_format="dummy", dtype=dtype, max_running_requests=max_b, max_context_len=512,
-        kv_cache_tokens=max_b * 512, page_size=16, batch_buckets=tuple(sorted(args.batches)),
-        disable_prefix_cache=True), model_config=cfg, params=params, tokenizer=tokenizer)
-    runner = engine.runner
+    engine = build_engine(args.tiny, args.batches)
+    cfg, runner, max_b = engine.model_config, engine.runner, max(args.batches)
 
     # Timers around the engine's own calls: seconds per call, by name, for the current run.
     spans = collections.defaultdict(list)

@@ -75,6 +75,17 @@ def test_structured_bench(tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_structured_launch_probe(tmp_path):
+    res = run_script(tmp_path, "structured_launch_probe", "--tiny", "--batches", "2", "--new-tokens", "8",
+                     "--repeats", "1", "--variants", "plain", "default", "new_logits")
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"plain", "default", "new_logits"}
+    assert rows["plain"]["decode_call_ms"] > 0 and rows["plain"]["forward_call_ms"] != rows["plain"]["forward_call_ms"]
+    for name in ("default", "new_logits"):  # every constrained step: a forward call, masks and a sampling call
+        assert rows[name]["forward_call_ms"] > 0 and rows[name]["bitmask_ms"] > 0 and rows[name]["sample_call_ms"] > 0
+
+
+@pytest.mark.timeout(400)
 def test_spec_divergence_probe(tmp_path):
     """On the tiny float32 model every variant gives the reference's greedy tokens, also when
     run again on the same engine; the JSON lists the differences (none) per variant."""
