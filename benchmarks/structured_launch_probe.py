@@ -7,7 +7,6 @@ constrained as in structured_bench.py, overlap on). Variants, in turn on one eng
   default    as the engine runs
   put_mask   the mask sent with jax.device_put before the sampling's call (timed apart)
   one_exe    one executable per program instead of two in turn (alternate_executables off)
-  new_logits each forward pass writes its logits into a new buffer (ModelRunner.reuse_logits off)
 
 With --trace, one more constrained run at the largest batch is traced with the host tracer
 only (as benchmarks/host_spans.py does): the host spans inside the forward pass's launch and
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ensure_importable, median, print_table, write_results  # noqa: E402
 
 REGEX = "[a-z ]{1,2000}"
-VARIANTS = ("plain", "default", "put_mask", "one_exe", "new_logits")
+VARIANTS = ("plain", "default", "put_mask", "one_exe")
 
 
 def main():
@@ -105,18 +104,13 @@ def main():
     for B in args.batches:
         run(B, seed=99)  # compiles
         run(B, seed=98, constrained=False)
-        if "new_logits" in args.variants:  # its forward program (no logits argument) compiles outside the runs
-            runner.reuse_logits = False
-            run(B, seed=97)
-            runner.reuse_logits = True
         got = collections.defaultdict(list)
         for rep in range(args.repeats):
             for variant in args.variants:
                 mode["variant"] = variant
                 runner.alternate_executables = variant != "one_exe"
-                runner.reuse_logits = variant != "new_logits"
                 got[variant].append(run(B, seed=rep, constrained=variant != "plain"))
-        mode["variant"], runner.alternate_executables, runner.reuse_logits = "default", True, True
+        mode["variant"], runner.alternate_executables = "default", True
         for variant in args.variants:
             res = got[variant]
             row = {"batch": B, "variant": variant}

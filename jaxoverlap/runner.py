@@ -317,12 +317,6 @@ class ModelRunner:
         # "every_step" or "on_change".
         self.decode_inputs = decode_inputs
         self._rows_cache = None  # (rows list, bucket, packed inputs without reservations, flags): _decode_rows
-        # Structured output's forward passes write their logits over the buffer the last
-        # sampling of their bucket gave back (steps.decode_forward_step), one per bucket, so
-        # that the buffer does not move. Not under tensor parallelism, where the layout XLA
-        # gives the logits need not be the one the buffer came in.
-        self.reuse_logits = state_sharding is None
-        self._logits_buffers: dict[int, object] = {}
         self._layout_of = None  # (params, its layout key): _program_key
 
     def release(self) -> None:
@@ -337,7 +331,6 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.params = None
         self.inputs = self._rows_cache = self._layout_of = None
-        self._logits_buffers.clear()
         self._executables.clear()
         self._prefill_executables.clear()
 
@@ -387,21 +380,9 @@ class ModelRunner:
         B = pick(self.batch_buckets, batch.size)
         base, (sampling, top) = self._decode_rows(batch, B)
         inputs = self._decode_inputs(batch, B, base)
-        key, step, args, static = self._forward_program(inputs, self._ctx_len(batch), self._logits_buffer(B))
+        key, step, args, static = self._forward_program(inputs, self._ctx_len(batch))
         self.state, logits = self._call_decode(key, step, args, static)
         return ForwardedStep(batch, B, inputs, logits, sampling, top, self.allowed_tokens)
-
-    def _logits_buffer(self, B: int):
-        """The logits buffer the next forward pass of bucket B writes over (`reuse_logits`;
-        None: a new one): the one the last sampling of that bucket gave back, or zeros."""
-        if not self.reuse_logits:
-            return None
-        buf = self._logits_buffers.pop(B, None)
-        if buf is None:
-            import jax.numpy as jnp
-
-            buf = jnp.zeros((B, self.model_cfg.vocab_size), jnp.float32)
-        return buf
 
     def launch_sample(self, fwd: "ForwardedStep") -> LaunchedStep:
         """The sampling of a step `launch_forward` launched, with each row's allowed tokens as
@@ -409,20 +390,16 @@ class ModelRunner:
         (it is dropped); so may every row once no request is constrained any more."""
         allowed = fwd.allowed_tokens(fwd.batch.rows, fwd.B, always=True)
         key, step, args, static = self._sample_program(fwd.inputs, fwd.logits, allowed, fwd.sampling, fwd.top)
-        self.state, out, logits = self._call_decode(key, step, args, static)
-        if self.reuse_logits:
-            self._logits_buffers[fwd.B] = logits
+        self.state, out = self._call_decode(key, step, args, static)
         return self._launched(fwd.batch, out)
 
-    def _forward_program(self, inputs: steps.DecodeInputs, ctx_len: int, logits=None):
+    def _forward_program(self, inputs: steps.DecodeInputs, ctx_len: int):
         """(program key, jitted step, arguments, static arguments) of a decode step's forward
-        pass, writing over `logits` (None: into a new buffer); `launch_forward` and
-        `precompile` both build their call here."""
+        pass; `launch_forward` and `precompile` both build their call here."""
         static = dict(cfg=self.model_cfg, ctx_len=ctx_len, page_size=self.page_size, attention=self.attention,
                       **self._layout_static)
-        key = ("forward", inputs.batch, ctx_len, self.attention, self._layout_key(), logits is not None)
-        args = (self.params, self.state, inputs) + ((logits,) if logits is not None else ())
-        return key, steps.decode_forward_step, args, static
+        key = ("forward", inputs.batch, ctx_len, self.attention, self._layout_key())
+        return key, steps.decode_forward_step, (self.params, self.state, inputs), static
 
     def _sample_program(self, inputs: steps.DecodeInputs, logits, allowed, sampling: bool, top: bool):
         """(program key, jitted step, arguments, static arguments) of a decode step's sampling."""
@@ -649,8 +626,7 @@ class ModelRunner:
                     "constrained": constrained}
 
         def compile_forward(B, ctx):
-            logits = jax.ShapeDtypeStruct((B, self.model_cfg.vocab_size), np.float32) if self.reuse_logits else None
-            key, step, args, static = self._forward_program(empty_inputs(B), ctx, logits)
+            key, step, args, static = self._forward_program(empty_inputs(B), ctx)
             compiled = self._compile_decode_program(key, step, args, static)
             logits_sharding[B] = compiled.output_shardings[1]
             return {"program": "forward", "batch": B, "ctx_len": ctx}
@@ -734,9 +710,7 @@ class ModelRunner:
         inputs = steps.DecodeInputs(self._as_sent(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed),
                                     batch=B)
         for _ in range(2 if self.alternate_executables else 1):
-            self.state, logits = self._call_decode(*self._forward_program(inputs, ctx_len, self._logits_buffer(B)))
-            if self.reuse_logits:
-                self._logits_buffers[B] = logits
+            self.state, _ = self._call_decode(*self._forward_program(inputs, ctx_len))
 
     def _run_padding_sample(self, B: int, sampling: bool, top: bool, mask_words: int, logits_sharding) -> None:
         """`_run_padding_step` for a sampling program (structured output), on zero logits."""
@@ -747,7 +721,7 @@ class ModelRunner:
         logits = jax.device_put(np.zeros((B, self.model_cfg.vocab_size), np.float32), logits_sharding)
         allowed = np.full((B, mask_words), -1, np.int32)
         for _ in range(2 if self.alternate_executables else 1):
-            self.state, _, logits = self._call_decode(*self._sample_program(inputs, logits, allowed, sampling, top))
+            self.state, _ = self._call_decode(*self._sample_program(inputs, logits, allowed, sampling, top))
 
     # -- prefill ------------------------------------------------------------------------------
     def _prefill_shape(self, batch: ScheduledBatch) -> tuple[int, int]:

@@ -275,33 +275,25 @@ def decode_step(
 # forward pass runs (engine.Engine._step_overlap; vLLM splits its step the same way).
 @functools.partial(
     jax.jit, static_argnames=("cfg", "ctx_len", "page_size", "attention", "state_sharding"),
-    donate_argnames=("state", "logits"),
+    donate_argnames=("state",),
 )
-def decode_forward_step(params: ModelParams, state: DeviceState, inputs: DecodeInputs, logits: jax.Array | None = None,
-                        *, cfg: ModelConfig, ctx_len: int, page_size: int, attention=xla_paged_attention,
-                        state_sharding=None):
-    """A decode step's forward pass: (state, logits [B, V] float32) for `decode_sample_step`.
-
-    `logits`: None, or the buffer of an earlier step's logits, donated: the new logits take
-    its place, so that the program's output keeps one address from step to step. XLA updates
-    a program's recorded CUDA graph whenever one of its buffers has moved since its last run
-    (benchmarks/RESULTS.md, 2026-12-04), which the launch pays for on the host."""
-    del logits  # only its buffer is used: the output of the same shape takes it
+def decode_forward_step(params: ModelParams, state: DeviceState, inputs: DecodeInputs, *, cfg: ModelConfig,
+                        ctx_len: int, page_size: int, attention=xla_paged_attention, state_sharding=None):
+    """A decode step's forward pass: (state, logits [B, V] float32) for `decode_sample_step`."""
     state, logits = _decode_forward(params, state, inputs, cfg=cfg, ctx_len=ctx_len, page_size=page_size,
                                     attention=attention)
     return keep_layout(state, state_sharding), logits
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "top_logprobs", "state_sharding"),
-                   donate_argnames=("state", "logits"))
+                   donate_argnames=("state",))
 def decode_sample_step(state: DeviceState, inputs: DecodeInputs, logits: jax.Array, allowed: jax.Array, *,
                        sampling: bool = True, top_logprobs: bool = False, state_sharding=None):
     """A decode step's sampling, after `decode_forward_step` on the same inputs. `allowed`
     [B, ceil(V / 32)] int32: the tokens each row may take (a bitmask, all bits set for rows
-    without a constraint). Returns (state, StepOutput, logits): the logits' buffer comes back
-    (donated, not copied) for the next forward pass to write over."""
+    without a constraint)."""
     state, out = _decode_sample(state, inputs, logits, allowed, sampling=sampling, top_logprobs=top_logprobs)
-    return keep_layout(state, state_sharding), out, logits
+    return keep_layout(state, state_sharding), out
 
 
 @jax.tree_util.register_dataclass

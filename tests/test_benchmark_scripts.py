@@ -77,11 +77,11 @@ def test_structured_bench(tmp_path):
 @pytest.mark.timeout(400)
 def test_structured_launch_probe(tmp_path):
     res = run_script(tmp_path, "structured_launch_probe", "--tiny", "--batches", "2", "--new-tokens", "8",
-                     "--repeats", "1", "--variants", "plain", "default", "new_logits")
+                     "--repeats", "1", "--variants", "plain", "default", "one_exe")
     rows = {r["variant"]: r for r in res["rows"]}
-    assert set(rows) == {"plain", "default", "new_logits"}
+    assert set(rows) == {"plain", "default", "one_exe"}
     assert rows["plain"]["decode_call_ms"] > 0 and rows["plain"]["forward_call_ms"] != rows["plain"]["forward_call_ms"]
-    for name in ("default", "new_logits"):  # every constrained step: a forward call, masks and a sampling call
+    for name in ("default", "one_exe"):  # every constrained step: a forward call, masks and a sampling call
         assert rows[name]["forward_call_ms"] > 0 and rows[name]["bitmask_ms"] > 0 and rows[name]["sample_call_ms"] > 0
 
 
