@@ -61,8 +61,9 @@ class SamplingParams:
     detokenize: bool = True
     # The output follows a JSON schema, a regex, a choice of strings or a grammar
     # (structured.py): a StructuredOutput, or a dict of its fields such as
-    # {"json_schema": {...}} or {"regex": "..."}. Such a request needs a tokenizer, runs
-    # its steps without overlap, and stops when its grammar is complete.
+    # {"json_schema": {...}} or {"regex": "..."}. Such a request needs a tokenizer; its
+    # decode steps sample in a program of their own (steps.decode_sample_step), after the
+    # host has made the masks, and it stops when its grammar is complete.
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self):

@@ -9,9 +9,11 @@ advances the matcher (Engine._check_token), and the request stops when its gramm
 complete.
 
 The mask of step N+1 depends on step N's token, which only the device knows when the
-overlap loop prepares step N+1. So a batch that holds a constrained row waits for the step
-in flight first, as the host n-gram drafter's batches do (Engine._step_overlap): such
-batches run without overlap, all others keep it. Not with speculative decoding (refused).
+overlap loop prepares step N+1. So a decode batch that holds a constrained row runs as two
+programs (Engine._step_overlap): its forward pass is queued behind step N, step N is
+processed while it runs (its tokens advance the matchers), and the sampling is queued with
+the masks; the device never waits for them while the forward pass outlasts the host's
+work. Not with speculative decoding (refused).
 
 Host-side only (numpy and llguidance): the device side is `allowed_mask` in sampling.py.
 """

@@ -59,8 +59,9 @@ def test_outputs_follow_their_constraints(llm, temperature):
 
 
 def test_overlap_on_and_off_agree_and_unconstrained_neighbours_are_unchanged(llm):
-    """Steps with a constrained row give up overlap; the tokens may not depend on it, and an
-    unconstrained request in the same batches gets the tokens it gets alone."""
+    """Steps with a constrained row sample apart from their forward pass, behind the step
+    before; the tokens may not depend on the loop, and an unconstrained request in the same
+    batches gets the tokens it gets alone."""
     plain = [SamplingParams(max_new_tokens=24, temperature=t, seed=5, ignore_eos=True) for t in (0.0, 0.8)]
     prompts = ["Once upon a time", "The cat"]
     alone = [r.token_ids for r in llm.generate(prompts, plain)]
