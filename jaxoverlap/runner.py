@@ -590,14 +590,15 @@ class ModelRunner:
         ctxs = _buckets_of(ctx_lens, self.decode_ctx_buckets, "ctx_lens", self.table_width)
         jobs = [("decode", B, ctx, bool(s), d, t) for B in batches
                 for ctx in ctxs for s in sampling for d in self.decode_variants(B) for t in tops]
-        constrained = (False, True) if mask_words and self.spec is None else (False,)
+        structured = bool(mask_words) and self.spec is None  # (structured output is plain decoding only)
         if prefill:
             jobs += [("prefill", R, T, ctx, t, c) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
                      for ctx in self.prefill_ctx_buckets if self.prefill_shapes.runs(R, T) for t in tops
-                     for c in constrained]
-        if len(constrained) > 1:  # the sampling programs compile after these (they take their logits)
+                     for c in ((False, True) if structured else (False,))]
+        later = []  # the sampling programs compile after the forward passes: they take their logits
+        if structured:
             jobs += [("forward", B, ctx) for B in batches for ctx in ctxs]
-        later = [("sample", B, bool(s), t) for B in batches for s in sampling for t in tops] if len(constrained) > 1 else []
+            later = [("sample", B, bool(s), t) for B in batches for s in sampling for t in tops]
         put = functools.partial(jax.device_put, device=self.inputs.sharding)
         logits_sharding = {}  # batch bucket -> the sharding of a forward pass's logits
 
@@ -697,18 +698,21 @@ class ModelRunner:
         of it falls on a served step. Padding rows read and write only the dummy entry 0 and
         the dummy page 0, as in every decode step, so real rows are untouched; the step's
         output is dropped."""
-        packed = self._as_sent(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed)
-        inputs = steps.DecodeInputs(packed, batch=B)
+        inputs = self._padding_inputs(B)
         host = self._no_host_drafts(B) if draft else None
         key = self._program_key(B, host is not None, ctx_len, sampling, draft, top)
         for _ in range(2 if self.alternate_executables else 1):
             step, args, static = self._decode_program(inputs, host, ctx_len, sampling, draft, top)  # today's state
             self.state, _ = self._call_decode(key, step, args, static)
 
+    def _padding_inputs(self, B: int) -> steps.DecodeInputs:
+        """A decode step's input array for B padding rows, passed as a launch passes it."""
+        return steps.DecodeInputs(self._as_sent(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed),
+                                  batch=B)
+
     def _run_padding_forward(self, B: int, ctx_len: int) -> None:
         """`_run_padding_step` for a forward pass (structured output), its logits dropped."""
-        inputs = steps.DecodeInputs(self._as_sent(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed),
-                                    batch=B)
+        inputs = self._padding_inputs(B)
         for _ in range(2 if self.alternate_executables else 1):
             self.state, _ = self._call_decode(*self._forward_program(inputs, ctx_len))
 
@@ -716,8 +720,7 @@ class ModelRunner:
         """`_run_padding_step` for a sampling program (structured output), on zero logits."""
         import jax
 
-        inputs = steps.DecodeInputs(self._as_sent(steps.DecodeInputs.empty(B, self._decode_res_capacity(B)).packed),
-                                    batch=B)
+        inputs = self._padding_inputs(B)
         logits = jax.device_put(np.zeros((B, self.model_cfg.vocab_size), np.float32), logits_sharding)
         allowed = np.full((B, mask_words), -1, np.int32)
         for _ in range(2 if self.alternate_executables else 1):

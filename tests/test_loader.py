@@ -335,14 +335,19 @@ def test_dummy_is_deterministic_and_peaked(tmp_path, hf_checkpoint):
 # ---------------------------------------------------------------------------- orbax cache
 
 
-def test_orbax_cache_round_trip(hf_checkpoint, tmp_path, monkeypatch):
-    src = hf_checkpoint("qwen2")
+def _cached_checkpoint(hf_checkpoint, tmp_path):
+    """A copy of the qwen2 test checkpoint loaded once through an orbax cache: (its path, the
+    cache folder, its config, the weights, the cache entry)."""
     path = str(tmp_path / "m")
-    shutil.copytree(src, path)
+    shutil.copytree(hf_checkpoint("qwen2"), path)
     cache = str(tmp_path / "cache")
     cfg = ModelConfig.from_path(path)
     first = load_params(path, cfg, jnp.float32, cache_dir=cache)
-    entry = loader.cache_path(cache, path, jnp.float32)
+    return path, cache, cfg, first, loader.cache_path(cache, path, jnp.float32)
+
+
+def test_orbax_cache_round_trip(hf_checkpoint, tmp_path, monkeypatch):
+    path, cache, cfg, first, entry = _cached_checkpoint(hf_checkpoint, tmp_path)
     assert os.path.isdir(entry)
 
     # A second load must restore from orbax, not convert.
@@ -374,13 +379,7 @@ def test_orbax_cache_round_trip(hf_checkpoint, tmp_path, monkeypatch):
 def test_a_broken_cache_entry_is_replaced(hf_checkpoint, tmp_path, monkeypatch):
     """An entry whose data was cut short (disk full, a killed copy) is converted again once
     and saved afresh, not converted again on every later load."""
-    src = hf_checkpoint("qwen2")
-    path = str(tmp_path / "m")
-    shutil.copytree(src, path)
-    cache = str(tmp_path / "cache")
-    cfg = ModelConfig.from_path(path)
-    first = load_params(path, cfg, jnp.float32, cache_dir=cache)
-    entry = loader.cache_path(cache, path, jnp.float32)
+    path, cache, cfg, first, entry = _cached_checkpoint(hf_checkpoint, tmp_path)
     data = [os.path.join(d, n) for d, _, names in os.walk(entry) for n in names if os.path.basename(d) == "d"]
     biggest = max(data, key=os.path.getsize)
     with open(biggest, "r+b") as f:
