@@ -438,7 +438,7 @@ class Engine:
         if params.structured_output is not None:
             req.matcher = self.grammars.matcher(params.structured_output)
             self._constrained += 1
-            self.runner.allowed_tokens = self.grammars.bitmask  # steps now look for constrained rows
+            self.runner.grammars = self.grammars  # steps now look for constrained rows
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -481,8 +481,6 @@ class Engine:
         if params.structured_output is not None:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured_output needs a tokenizer, and this model has none")
-            if self.drafter is not None:
-                raise InvalidRequestError("structured_output is not available with speculative decoding")
             self.grammars.check(params.structured_output)  # a grammar llguidance refuses: its message
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
@@ -571,13 +569,18 @@ class Engine:
             # step N's tokens, but its forward pass does not. So the forward pass is queued
             # behind step N, step N is processed while it runs (its tokens advance the
             # grammars), and then N+1's sampling is queued with the masks.
+            # A speculative step's masks also follow from its drafts: its draft program and
+            # verify pass are queued, and the accept program waits for the drafts only.
             forwarded = self._launch(batch, self.runner.launch_forward)
             t2 = time.perf_counter()
             prev, self._inflight = self._inflight, None
             wait_s, outputs, found_done = self._process(prev)  # waits for step N only
             t3 = time.perf_counter()
+            forwarded.wait_drafts()
+            t4 = time.perf_counter()
             self._inflight = self._launch(batch, lambda _: self.runner.launch_sample(forwarded))
-            launch_s, process_s = t2 - t1b + time.perf_counter() - t3, t3 - t2 - wait_s
+            launch_s, process_s = t2 - t1b + time.perf_counter() - t4, t3 - t2 - wait_s
+            wait_s += t4 - t3
         else:
             launched = self._launch(batch) if batch is not None else None  # step N+1 queued behind N
             t2 = time.perf_counter()
@@ -592,11 +595,19 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()  # decided from results up to step N
         t1 = time.perf_counter()
-        launched = self._launch(batch) if batch is not None else None
+        drafts_s = 0.0
+        if batch is not None and self.runner.samples_apart(batch):  # structured output (see _step_overlap)
+            forwarded = self._launch(batch, self.runner.launch_forward)
+            t = time.perf_counter()
+            forwarded.wait_drafts()
+            drafts_s = time.perf_counter() - t
+            launched = self._launch(batch, lambda _: self.runner.launch_sample(forwarded))
+        else:
+            launched = self._launch(batch) if batch is not None else None
         t2 = time.perf_counter()
         wait_s, outputs, found_done = self._process(launched)  # waits for the step just launched
-        self._record(batch, t1 - t0, t2 - t1, wait_s, time.perf_counter() - t2 - wait_s, start_s=t0,
-                     found_done=found_done)
+        self._record(batch, t1 - t0, t2 - t1 - drafts_s, wait_s + drafts_s, time.perf_counter() - t2 - wait_s,
+                     start_s=t0, found_done=found_done)
         return outputs
 
     def _launch(self, batch, launch=None):
@@ -717,7 +728,7 @@ class Engine:
                 req.matcher = None
                 self._constrained -= 1
                 if not self._constrained:
-                    self.runner.allowed_tokens = None  # no row is constrained: no step looks
+                    self.runner.grammars = None  # no row is constrained: no step looks
             if finished and self.requests.get(req.request_id) is req:
                 # (A finished request's id may be reused before its final output: add_request
                 # then holds the new request under it, which this one must not take along.)
@@ -766,17 +777,18 @@ class Engine:
         variant that returns top logprobs too (twice the programs), which runs while any row
         of the batch asks for them (SamplingParams.top_logprobs). With `structured`, the
         programs of batches with structured output too: each decode bucket's forward pass and
-        sampling (ModelRunner.launch_forward), and with `prefill` each prefill program's
-        variant with allowed tokens; skipped, with a warning, where the engine cannot serve
-        structured output (no tokenizer, or speculative decoding). Returns the compile (and
-        run) time of each program (ModelRunner.precompile)."""
+        sampling (ModelRunner.launch_forward; with a drafter, each speculative step's draft,
+        verify and accept programs), and with `prefill` each prefill program's variant with
+        allowed tokens; skipped, with a warning, where the engine cannot serve structured
+        output (no tokenizer). Returns the compile (and run) time of each program
+        (ModelRunner.precompile)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
         mask_words = None
         if structured:
-            if self.tokenizer is None or self.drafter is not None:
+            if self.tokenizer is None:
                 logger.warning("warmup(structured=True) skipped: this engine serves no structured output "
-                               "(it has %s)", "no tokenizer" if self.tokenizer is None else "a drafter")
+                               "(it has no tokenizer)")
             else:
                 mask_words = self.grammars.words
         compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads, execute=True, prefill=prefill,

@@ -107,10 +107,24 @@ class ForwardedStep:
     batch: ScheduledBatch
     B: int  # the batch bucket
     inputs: steps.DecodeInputs
-    logits: object  # [B, V] float32 device array
+    logits: object  # [B, V] float32 device array; [B, W, V] for speculative steps
     sampling: bool  # whether any row samples (batch_samples)
     top: bool  # whether any row wants top logprobs
-    allowed_tokens: object  # structured.Grammars.bitmask, as it was at the forward launch
+    grammars: object  # structured.Grammars (the runner's at the forward launch)
+    # Speculative steps only: the step's context bucket, its drafts (speculative.step.Drafted,
+    # their copy to the host started), the verify pass's hidden states, and the drafts on the
+    # host (`wait_drafts`; given at once by the host n-gram drafter).
+    ctx_len: int = 0
+    drafted: object = None
+    hidden: object = None
+    host_drafts: tuple[np.ndarray, np.ndarray] | None = None
+
+    def wait_drafts(self) -> None:
+        """Wait for a speculative step's drafts (its draft program only, not its verify pass)."""
+        if self.drafted is not None and self.host_drafts is None:
+            from jaxoverlap.speculative.step import Drafted
+
+            self.host_drafts = Drafted.unpack(np.asarray(self.drafted.packed))
 
 
 def batch_samples(batch: ScheduledBatch) -> bool:
@@ -256,9 +270,9 @@ class ModelRunner:
         self.paused_spec = dataclasses.replace(self.spec, num_draft=0) if self.spec is not None else None
         self.draft_max_rows = draft_max_rows if self.spec is not None else None
         self.last_draft_s = 0.0  # host drafting time of the last launch (host n-gram)
-        # Structured output (structured.Grammars.bitmask), set by the engine while some request
-        # has one: (rows, num_rows, sampled, always) -> the allowed tokens of each row, or None.
-        self.allowed_tokens = None
+        # Structured output: the engine's structured.Grammars while some request has one (its
+        # masks give each row's allowed tokens), else None.
+        self.grammars = None
         self.inputs = DeviceInputs()  # the engine sets its sharding under tensor parallelism
         self.model_cfg = model_cfg
         self.state = state
@@ -370,27 +384,54 @@ class ModelRunner:
 
     # -- decode steps with structured output: forward pass and sampling apart ----------------
     def samples_apart(self, batch: ScheduledBatch) -> bool:
-        """Whether `batch` is a plain decode batch with a constrained row (structured output):
-        it launches as `launch_forward`, then `launch_sample` once the rows' grammars have
-        taken the tokens of the step before (steps.decode_forward_step)."""
-        return (batch.kind == "decode" and self.spec is None and self.allowed_tokens is not None
+        """Whether `batch` is a decode batch with a constrained row (structured output): it
+        launches as `launch_forward`, then `launch_sample` once the rows' grammars have taken
+        the tokens of the step before (steps.decode_forward_step, and for speculative steps
+        speculative.step.spec_draft_step)."""
+        return (batch.kind == "decode" and self.grammars is not None
                 and any(row.req.matcher is not None for row in batch.rows))
 
     def launch_forward(self, batch: ScheduledBatch) -> "ForwardedStep":
         B = pick(self.batch_buckets, batch.size)
         base, (sampling, top) = self._decode_rows(batch, B)
         inputs = self._decode_inputs(batch, B, base)
-        key, step, args, static = self._forward_program(inputs, self._ctx_len(batch))
+        ctx_len = self._ctx_len(batch)
+        if self.spec is not None:
+            return self._launch_spec_forward(batch, B, inputs, ctx_len, sampling, top)
+        key, step, args, static = self._forward_program(inputs, ctx_len)
         self.state, logits = self._call_decode(key, step, args, static)
-        return ForwardedStep(batch, B, inputs, logits, sampling, top, self.allowed_tokens)
+        return ForwardedStep(batch, B, inputs, logits, sampling, top, self.grammars)
+
+    def _launch_spec_forward(self, batch, B: int, inputs, ctx_len: int, sampling: bool, top: bool):
+        """A speculative step's draft program, then its verify pass; the drafts' copy to the
+        host starts between them."""
+        host_drafts = self._host_drafts(batch, B) if self.needs_host_results(batch) else None
+        self.state, drafted = self._call_decode(*self._spec_draft_program(inputs, host_drafts, ctx_len, sampling,
+                                                                          batch.draft))
+        given = None
+        if host_drafts is not None:  # the host made them: nothing to wait for
+            given = (host_drafts.tokens, np.where(np.arange(B) < batch.size, host_drafts.counts, 0))
+        elif self.start_host_copy:
+            drafted.packed.copy_to_host_async()
+        self.state, logits, hidden = self._call_decode(*self._spec_verify_program(inputs, drafted, ctx_len))
+        return ForwardedStep(batch, B, inputs, logits, sampling, top, self.grammars, ctx_len, drafted, hidden,
+                             given)
 
     def launch_sample(self, fwd: "ForwardedStep") -> LaunchedStep:
         """The sampling of a step `launch_forward` launched, with each row's allowed tokens as
         its grammar stands now. A row whose request has ended meanwhile may take any token
-        (it is dropped); so may every row once no request is constrained any more."""
-        allowed = fwd.allowed_tokens(fwd.batch.rows, fwd.B, always=True)
-        key, step, args, static = self._sample_program(fwd.inputs, fwd.logits, allowed, fwd.sampling, fwd.top)
-        self.state, out = self._call_decode(key, step, args, static)
+        (it is dropped); so may every row once no request is constrained any more. For a
+        speculative step, its acceptance, with an allowed-tokens mask per window position
+        (after `fwd.wait_drafts()`, which this calls if the caller has not)."""
+        rows = fwd.batch.rows
+        if fwd.drafted is None:
+            allowed = fwd.grammars.bitmask(rows, fwd.B, always=True)
+            program = self._sample_program(fwd.inputs, fwd.logits, allowed, fwd.sampling, fwd.top)
+        else:
+            fwd.wait_drafts()
+            allowed = fwd.grammars.window_bitmask(rows, fwd.B, *fwd.host_drafts)
+            program = self._spec_accept_program(fwd, allowed)
+        self.state, out = self._call_decode(*program)
         return self._launched(fwd.batch, out)
 
     def _forward_program(self, inputs: steps.DecodeInputs, ctx_len: int):
@@ -406,6 +447,39 @@ class ModelRunner:
         static = dict(sampling=sampling, **({"top_logprobs": True} if top else {}), **self._layout_static)
         key = ("sample", inputs.batch, sampling, top)
         return key, steps.decode_sample_step, (self.state, inputs, logits, allowed), static
+
+    def _spec_draft_program(self, inputs: steps.DecodeInputs, host_drafts, ctx_len: int, sampling: bool,
+                            draft: bool):
+        """The (key, step, arguments, static arguments) of a speculative step's draft program
+        (structured output; speculative.step.spec_draft_step), as `_forward_program`."""
+        from jaxoverlap.speculative.step import spec_draft_step
+
+        spec = self.spec if draft else self.paused_spec
+        static = dict(cfg=self.model_cfg, spec=spec, ctx_len=ctx_len, page_size=self.page_size,
+                      attention=self.attention, sampling=sampling, **self._layout_static)
+        key = ("spec_draft", inputs.batch, host_drafts is not None, ctx_len, sampling, draft, self.attention,
+               self._layout_key())
+        return key, spec_draft_step, (self.params, self.drafter.params, self.state, inputs, host_drafts), static
+
+    def _spec_verify_program(self, inputs: steps.DecodeInputs, drafted, ctx_len: int):
+        """... of its verify pass (speculative.step.spec_verify_step)."""
+        from jaxoverlap.speculative.step import spec_verify_step
+
+        static = dict(cfg=self.model_cfg, ctx_len=ctx_len, attention=self.attention, **self._layout_static)
+        key = ("spec_verify", inputs.batch, drafted.tokens.shape[1], ctx_len, self.attention, self._layout_key())
+        return key, spec_verify_step, (self.params, self.state, inputs, drafted.tokens), static
+
+    def _spec_accept_program(self, fwd: "ForwardedStep", allowed):
+        """... of its acceptance and draft extend (speculative.step.spec_accept_step)."""
+        from jaxoverlap.speculative.step import spec_accept_step
+
+        draft = fwd.drafted.tokens.shape[1] > 0
+        static = dict(spec=self.spec if draft else self.paused_spec, ctx_len=fwd.ctx_len, attention=self.attention,
+                      sampling=fwd.sampling, **({"top_logprobs": True} if fwd.top else {}), **self._layout_static)
+        key = ("spec_accept", fwd.B, fwd.drafted.probs is not None, fwd.ctx_len, fwd.sampling, draft, fwd.top,
+               self.attention, self._layout_key())
+        args = (self.params, self.drafter.params, self.state, fwd.inputs, fwd.drafted, fwd.logits, fwd.hidden, allowed)
+        return key, spec_accept_step, args, static
 
     def _decode_rows(self, batch: ScheduledBatch, B: int):
         """(packed inputs without reservations, (whether any row samples, whether any wants
@@ -451,19 +525,21 @@ class ModelRunner:
         B = pick(self.batch_buckets, batch.size)
         base, (sampling, top) = self._decode_rows(batch, B)
         inputs = self._decode_inputs(batch, B, base)
-        host_drafts = None
-        if self.needs_host_results(batch):
-            from jaxoverlap.speculative.step import HostDrafts
-
-            t = time.perf_counter()
-            tokens, counts = self.drafter.host.drafts([row.req for row in batch.rows], B)
-            self.last_draft_s = time.perf_counter() - t
-            host_drafts = HostDrafts(tokens, counts)
+        host_drafts = self._host_drafts(batch, B) if self.needs_host_results(batch) else None
         ctx_len = self._ctx_len(batch)
         step, args, static = self._decode_program(inputs, host_drafts, ctx_len, sampling, batch.draft, top)
         key = self._program_key(B, host_drafts is not None, ctx_len, sampling, batch.draft, top)
         self.state, out = self._call_decode(key, step, args, static)
         return out
+
+    def _host_drafts(self, batch: ScheduledBatch, B: int):
+        """The host n-gram drafter's drafts for a batch (speculative.step.HostDrafts)."""
+        from jaxoverlap.speculative.step import HostDrafts
+
+        t = time.perf_counter()
+        tokens, counts = self.drafter.host.drafts([row.req for row in batch.rows], B)
+        self.last_draft_s = time.perf_counter() - t
+        return HostDrafts(tokens, counts)
 
     # -- two executables per decode program -------------------------------------------------
     # XLA records an executable's kernels as one CUDA graph and updates the graph whenever a
@@ -574,12 +650,15 @@ class ModelRunner:
         any of its rows asks for them. `mask_words` (structured.Grammars.words; None: none of
         these) also compiles the programs of batches with structured output: each decode
         bucket's forward pass (per context bucket) and sampling (per sampling flag and top
-        logprobs), and with `prefill` each prefill program's variant with allowed tokens.
+        logprobs; with a drafter, its draft, verify and accept programs instead), and with
+        `prefill` each prefill program's variant with allowed tokens.
 
         Returns one {program, ..., seconds} per program: decode rows name batch, ctx_len,
         sampling, draft, top_logprobs (and run_seconds when executed); prefill rows name
         rows, tokens, ctx_len, top_logprobs, constrained; forward rows batch, ctx_len; sample
-        rows batch, sampling, top_logprobs."""
+        rows batch, sampling, top_logprobs; spec_split rows (the three programs of a
+        speculative step with structured output, for every sampling flag and top-logprobs
+        variant) batch, ctx_len, draft."""
         from concurrent.futures import ThreadPoolExecutor
 
         import jax
@@ -590,13 +669,15 @@ class ModelRunner:
         ctxs = _buckets_of(ctx_lens, self.decode_ctx_buckets, "ctx_lens", self.table_width)
         jobs = [("decode", B, ctx, bool(s), d, t) for B in batches
                 for ctx in ctxs for s in sampling for d in self.decode_variants(B) for t in tops]
-        structured = bool(mask_words) and self.spec is None  # (structured output is plain decoding only)
+        structured = bool(mask_words)
         if prefill:
             jobs += [("prefill", R, T, ctx, t, c) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
                      for ctx in self.prefill_ctx_buckets if self.prefill_shapes.runs(R, T) for t in tops
                      for c in ((False, True) if structured else (False,))]
         later = []  # the sampling programs compile after the forward passes: they take their logits
-        if structured:
+        if structured and self.spec is not None:  # each job compiles its draft, verify and accept programs
+            jobs += [("spec_split", B, ctx, d) for B in batches for ctx in ctxs for d in self.decode_variants(B)]
+        elif structured:
             jobs += [("forward", B, ctx) for B in batches for ctx in ctxs]
             later = [("sample", B, bool(s), t) for B in batches for s in sampling for t in tops]
         put = functools.partial(jax.device_put, device=self.inputs.sharding)
@@ -616,7 +697,6 @@ class ModelRunner:
 
         def compile_prefill(R, T, ctx, top, constrained):
             # Numpy, as a prefill launch passes its inputs.
-            # (speculative prefills have no allowed tokens: structured output is plain decoding only)
             allowed = {"allowed": np.full((R, mask_words), -1, np.int32)} if constrained else {}
             inp = dataclasses.replace(self._prefill_inputs([], R, T), top_logprobs=top, **allowed)
             res = steps.Reservations.empty(self._prefill_res_capacity(R))
@@ -638,6 +718,20 @@ class ModelRunner:
             self._compile_decode_program(*self._sample_program(empty_inputs(B), logits, allowed, s, top))
             return {"program": "sample", "batch": B, "sampling": s, "top_logprobs": top}
 
+        def compile_spec_split(B, ctx, draft):
+            # Each program takes what the one before returns: their shapes and placement (out_info).
+            inputs, host = empty_inputs(B), (self._no_host_drafts(B) if draft else None)
+            drafted = {s: self._compile_decode_program(*self._spec_draft_program(inputs, host, ctx, s, draft)).out_info[1]
+                       for s in dict.fromkeys(bool(s) for s in sampling)}
+            verify = self._spec_verify_program(inputs, next(iter(drafted.values())), ctx)
+            _, logits, hidden = self._compile_decode_program(*verify).out_info
+            for s, d in drafted.items():
+                for top in tops:
+                    fwd = ForwardedStep(None, B, inputs, logits, s, top, None, ctx, d, hidden)
+                    allowed = np.zeros((B, d.tokens.shape[1] + 1, mask_words), np.int32)
+                    self._compile_decode_program(*self._spec_accept_program(fwd, allowed))
+            return {"program": "spec_split", "batch": B, "ctx_len": ctx, "draft": draft}
+
         check_maps = jax.default_backend() == "cpu"
         threads = default_compile_threads() if threads is None else threads
         if check_maps:  # (CPU_MAP_RESERVE holds this many large programs compiling at once)
@@ -649,7 +743,7 @@ class ModelRunner:
                 return None
             t = time.perf_counter()
             compile_job = {"decode": compile_decode, "prefill": compile_prefill, "forward": compile_forward,
-                           "sample": compile_sample}[job[0]]
+                           "sample": compile_sample, "spec_split": compile_spec_split}[job[0]]
             row = compile_job(*job[1:])
             headroom = memory_map_headroom() if check_maps else None
             if headroom is not None and headroom < CPU_MAP_RESERVE:
@@ -676,6 +770,9 @@ class ModelRunner:
                 elif row["program"] == "sample":
                     self._run_padding_sample(row["batch"], row["sampling"], row["top_logprobs"], mask_words,
                                              logits_sharding[row["batch"]])
+                elif row["program"] == "spec_split":
+                    self._run_padding_spec_split(row["batch"], row["ctx_len"], row["draft"], sampling, tops,
+                                                 mask_words)
                 else:
                     continue
                 row["run_seconds"] = time.perf_counter() - t
@@ -726,6 +823,20 @@ class ModelRunner:
         for _ in range(2 if self.alternate_executables else 1):
             self.state, _ = self._call_decode(*self._sample_program(inputs, logits, allowed, sampling, top))
 
+    def _run_padding_spec_split(self, B: int, ctx_len: int, draft: bool, sampling, tops, mask_words: int) -> None:
+        """`_run_padding_step` for the three programs of a speculative step with structured
+        output, for each sampling flag and top-logprobs variant."""
+        inputs = self._padding_inputs(B)
+        host = self._no_host_drafts(B) if draft else None
+        for s in dict.fromkeys(bool(s) for s in sampling):
+            for top in tops:
+                for _ in range(2 if self.alternate_executables else 1):
+                    self.state, drafted = self._call_decode(*self._spec_draft_program(inputs, host, ctx_len, s, draft))
+                    self.state, logits, hidden = self._call_decode(*self._spec_verify_program(inputs, drafted, ctx_len))
+                    fwd = ForwardedStep(None, B, inputs, logits, s, top, None, ctx_len, drafted, hidden)
+                    allowed = np.full((B, drafted.tokens.shape[1] + 1, mask_words), -1, np.int32)
+                    self.state, _ = self._call_decode(*self._spec_accept_program(fwd, allowed))
+
     # -- prefill ------------------------------------------------------------------------------
     def _prefill_shape(self, batch: ScheduledBatch) -> tuple[int, int]:
         """(rows, tokens) bucket of a prefill batch."""
@@ -767,14 +878,14 @@ class ModelRunner:
         starts = np.zeros((R,), np.int32)
         lens = np.zeros((R,), np.int32)
         entries = np.zeros((R,), np.int32)
+        allowed = None
+        if self.grammars is not None and rows:  # only a prompt's last chunk samples its token
+            allowed = self.grammars.bitmask(rows, R, sampled=lambda i: rows[i].is_last)
         if self.spec is None:
             for i, row in enumerate(rows):
                 req = row.req
                 tokens[i, : row.length] = req.fill_ids[row.start : row.start + row.length]
                 starts[i], lens[i], entries[i] = row.start, row.length, req.entry
-            allowed = None
-            if self.allowed_tokens is not None and rows:  # only a prompt's last chunk samples its token
-                allowed = self.allowed_tokens(rows, R, sampled=lambda i: rows[i].is_last)
             return steps.PrefillInputs(tokens, starts, lens, entries, *_sampling_arrays(rows, R),
                                        targets=_prompt_targets(rows, R, T),
                                        penalties=_penalty_inputs(rows, R) if self.penalties else None,
@@ -796,7 +907,7 @@ class ModelRunner:
         return SpecPrefillInputs(tokens, starts, lens, entries, is_last, given, has_given, *_sampling_arrays(rows, R),
                                  targets=_prompt_targets(rows, R, T - 1),  # the chunk's columns only
                                  penalties=_penalty_inputs(rows, R) if self.penalties else None,
-                                 top_logprobs=batch_top_logprobs(rows))
+                                 top_logprobs=batch_top_logprobs(rows), allowed=allowed)
 
     def _prefill_program(self, inp, res: steps.Reservations, ctx_len: int):
         """(jitted step, arguments, static arguments) of one prefill launch; `launch` and

@@ -229,6 +229,39 @@ class Grammars:
                 logger.warning("structured output of row %d failed: %s", i, m.get_error())
         return mask
 
+    def window_bitmask(self, rows, num_rows: int, drafts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The allowed tokens of each position of a speculative step's windows ([num_rows,
+        k + 1, words] int32): position j of row i may take what its grammar allows after the
+        row's first j drafts (`drafts` [num_rows, k], `counts` [num_rows] real drafts per row).
+
+        The matchers take each row's drafts up to the first one their grammar refuses, and
+        give them back (rollback) before this returns. Past that draft the mask is never
+        read: the draft is refused at its position, so the window's tokens end there. Those
+        positions, rows without a constraint and padding keep every bit set."""
+        num_draft = drafts.shape[1]
+        mask = np.full((num_rows, num_draft + 1, self.words), -1, np.int32)
+        flat = mask.reshape(num_rows * (num_draft + 1), self.words)  # [rows, W, words] -> [rows * W, words], a view
+        live = [(i, row.req.matcher) for i, row in enumerate(rows) if row.req.matcher is not None
+                and not (row.req.matcher.is_stopped() or row.req.matcher.is_error())]
+        # How many drafts each grammar takes: as many positions past the first get a mask.
+        valid = {i: m.validate_tokens(drafts[i, : counts[i]].tolist()) if counts[i] else 0 for i, m in live}
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        taken = dict.fromkeys(valid, 0)
+        for j in range(num_draft + 1):
+            here = [(m, i * (num_draft + 1) + j) for i, m in live if j <= valid[i] and not m.is_stopped()]
+            if not here:
+                break
+            fill_next_token_bitmask_par(self.executor, here, flat)
+            for i, m in live:
+                if j < valid[i] and not m.is_stopped():
+                    m.consume_token(int(drafts[i, j]))
+                    taken[i] += 1
+        for i, m in live:
+            if taken[i]:
+                m.rollback(taken[i])
+        return mask
+
     @functools.cached_property
     def executor(self):
         from llguidance import LLExecutor

@@ -359,12 +359,14 @@ def test_warmup_with_top_logprobs_leaves_nothing_to_compile():
     assert counts[True] == 0, f"{counts[True]} programs compiled after warmup(top_logprobs=True)"
 
 
-def test_warmup_with_structured_leaves_nothing_to_compile():
+@pytest.mark.parametrize("algo, hidden_sizes", [(None, (56, 104)), ("ngram_device", (72, 88)), ("eagle", (40, 120))])
+def test_warmup_with_structured_leaves_nothing_to_compile(algo, hidden_sizes):
     """warmup(structured=True) (`jaxoverlap serve --precompile-structured`) also compiles the
-    forward and sampling programs of decode batches with structured output, and with
-    prefill=True each prefill's variant with allowed tokens: constrained requests among
-    plain ones then compile nothing; without it the same workload compiles them on first
-    use (the check can fail)."""
+    forward and sampling programs of decode batches with structured output (with a drafter,
+    each speculative step's draft, verify and accept programs), and with prefill=True each
+    prefill's variant with allowed tokens: constrained requests among plain ones then
+    compile nothing; without it the same workload compiles them on first use (the check
+    can fail)."""
     from jaxoverlap.models.loader import default_model_path
     from jaxoverlap.models.tokenizer import Tokenizer
 
@@ -374,14 +376,17 @@ def test_warmup_with_structured_leaves_nothing_to_compile():
     plain = SamplingParams(max_new_tokens=6, temperature=0.7, ignore_eos=True)
     workload = {0: [("a", [3, 4, 5, 6, 7, 8], word), ("b", [9, 10, 11], plain)],
                 2: [("c", list(range(2, 22)), plain)], 4: [("d", [5, 5, 6], word)]}
+    if algo:
+        opts["speculative_algorithm"] = algo
+    split = {"spec_split"} if algo else {"forward", "sample"}
     counts = {}
     # Model shapes no other test uses, so that jit's in-process cache holds none of their programs.
-    for hidden, structured in ((56, False), (104, True)):
+    for hidden, structured in zip(hidden_sizes, (False, True)):
         eng = make_engine(tiny_config(vocab_size=tokenizer.vocab_size, hidden_size=hidden, head_dim=hidden // 4),
                           tokenizer=tokenizer, **opts)
         report = eng.warmup(prefill=True, sampling=(False, True), structured=structured)
         programs = {x["program"] for x in report}
-        assert programs == ({"decode", "prefill", "forward", "sample"} if structured else {"decode", "prefill"})
+        assert programs == ({"decode", "prefill"} | split if structured else {"decode", "prefill"})
         COUNTER.active, COUNTER.count = True, 0
         try:
             finals = run_workload(eng, workload)

@@ -30,6 +30,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
 from jaxoverlap.penalties import PrefillPenaltyInputs
+from jaxoverlap.sampling import allowed_mask
 from jaxoverlap.scatter import last_segments, set_rows
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
@@ -138,11 +139,158 @@ class SpecPrefillInputs:
     penalties: PrefillPenaltyInputs | None = None
     # Some row asked for top logprobs (static: a program of its own), as steps.PrefillInputs.
     top_logprobs: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # Where a row has structured output, as steps.PrefillInputs: [R, ceil(V / 32)] int32.
+    allowed: jax.Array | None = None
 
 
 def _set(relay: Relay, entries, **fields) -> Relay:
     """Per-entry relay writes; padded rows (entry 0) write nothing (jaxoverlap/scatter.py)."""
     return dataclasses.replace(relay, **{k: set_rows(getattr(relay, k), entries, v) for k, v in fields.items()})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Drafted:
+    """A speculative step's drafts, between its draft pass and its verification.
+
+    In the fused step (`spec_decode_step`) they never leave the program. A batch with
+    structured output runs the step as three programs (`spec_draft_step`, `spec_verify_step`,
+    `spec_accept_step`), and these arrays pass between them; `packed` is the host's copy,
+    from which it builds each window position's allowed tokens (structured.Grammars)."""
+
+    tokens: jax.Array  # [B, k] int32
+    counts: jax.Array  # [B] int32 real drafts per row (the rest are never accepted)
+    # [B, k, V] float32: the drafter's filtered distributions of sampled drafts (EAGLE and the
+    # draft model in sampling programs), None where the drafts are deterministic. Inside the
+    # fused step, a callable () -> q instead, called only in sampling programs.
+    probs: jax.Array | None = None
+    # [B, k + 1] int32: the drafts, then their count, in one array for the host (set by
+    # `spec_draft_step` only).
+    packed: jax.Array | None = None
+
+    @staticmethod
+    def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [B, k], counts [B]) from the host copy of `packed`."""
+        return packed[:, :-1], packed[:, -1]
+
+
+def _draft(params, dparams, state: DeviceState, inputs: DecodeInputs, host_drafts: HostDrafts | None, *,
+           cfg: ModelConfig, spec: SpecConfig, page_size: int, sampling: bool, **common):
+    """Part 1 of a speculative step: the step's reservations, then the draft passes.
+    Returns (state, Drafted with `probs` a callable () -> q [B, k, V], or None)."""
+    entries = inputs.entries  # [B] int32, padded rows on entry 0
+    req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
+    relay = state.relay
+    B, k = entries.shape[0], spec.num_draft
+    real = entries != 0
+    lens = relay.seq_lens[entries]  # [B] L: the window covers positions L .. L + k
+    bonus = relay.tokens[entries]  # [B] the previous step's bonus token, at position L
+    sp = SamplingRows.from_relay(relay, entries)
+    dk, dv = state.draft_k_cache, state.draft_v_cache
+    drafting = dict(sp=sp, sampling=sampling, **common)
+    # With speculation paused (k = 0: a large batch, where verifying drafts costs more than
+    # it gains) nothing is drafted, and the drafter only keeps its state up to date (here and
+    # in part 3), so that drafting can resume at any later step.
+    draft_probs = None
+    if k == 0:
+        drafts, counts = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
+        if spec.algorithm == "draft_model":  # the K/V of L - 1 that the first draft pass would write
+            dk, dv = draft_model.write_last(dparams, spec.draft_cfg, dk, dv, req_to_token, relay, entries=entries,
+                                            lens=lens, **common)
+    elif spec.algorithm == "eagle":
+        drafts, draft_probs, dk, dv = eagle.propose(dparams, spec.draft_cfg, params, dk, dv, req_to_token, relay,
+                                                    entries=entries, lens=lens, num_draft=k, **drafting)
+        counts = jnp.where(real, k, 0)
+    elif spec.algorithm == "draft_model":
+        drafts, draft_probs, dk, dv = draft_model.propose(dparams, spec.draft_cfg, dk, dv, req_to_token, relay,
+                                                          entries=entries, lens=lens, bonus=bonus, num_draft=k,
+                                                          vocab=cfg.vocab_size, **drafting)
+        counts = jnp.where(real, k, 0)
+    elif spec.algorithm == "ngram_device":
+        drafts, counts = ngram_device.propose(state.slot_tokens, req_to_token, entries=entries, lens=lens,
+                                              bonus=bonus, num_draft=k, min_match=spec.ngram_min,
+                                              max_match=spec.ngram_max, ctx_len=common["ctx_len"])
+    else:  # host n-gram
+        drafts, counts = host_drafts.tokens, jnp.where(real, host_drafts.counts, 0)
+    state = dataclasses.replace(state, req_to_token=req_to_token, draft_k_cache=dk, draft_v_cache=dv)
+    return state, Drafted(drafts, counts, draft_probs)
+
+
+def _verify(params, state: DeviceState, inputs: DecodeInputs, drafts: jax.Array, *, cfg: ModelConfig, **common):
+    """Part 2: the target's pass over each row's window (the bonus token, then the drafts).
+    Returns (state, logits [B, W, V], hidden [B, W, D])."""
+    entries = inputs.entries
+    B, W = entries.shape[0], drafts.shape[1] + 1
+    lens = state.relay.seq_lens[entries]
+    window = jnp.concatenate([state.relay.tokens[entries][:, None], drafts], axis=1)  # [B, W]
+    positions = lens[:, None] + jnp.arange(W)[None, :]  # [B, W]
+    hidden, k_cache, v_cache = forward(
+        params, cfg, state.k_cache, state.v_cache, state.req_to_token,
+        tokens=window, positions=positions, entries=entries,
+        q_valid=jnp.broadcast_to((entries != 0)[:, None], (B, W)), kv_lens=lens + W, **common,
+    )
+    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache)
+    return state, lm_logits(params, hidden), hidden  # logits [B, W, V]
+
+
+def _accept_extend(params, dparams, state: DeviceState, inputs: DecodeInputs, drafted: Drafted, logits, hidden,
+                   allowed, *, spec: SpecConfig, sampling: bool, top_logprobs: bool, **common):
+    """Part 3: acceptance and the new lengths ("publish"), then draft extend and the rest of
+    the relay ("stash"). `allowed`: None, or [B, W, ceil(V / 32)] int32, the tokens each
+    window position may take (structured output, given the drafts before it)."""
+    entries = inputs.entries
+    relay = state.relay
+    B, W = entries.shape[0], drafted.tokens.shape[1] + 1
+    real = entries != 0
+    lens = relay.seq_lens[entries]
+    bonus = relay.tokens[entries]
+    drafts = drafted.tokens
+    sp = SamplingRows.from_relay(relay, entries)
+    penalty, rule_rows = state.penalty, None
+    if sampling and penalty is not None:  # the host sends every batch with a penalized row here
+        penalty = penalties.record_generated(penalty, entries, bonus)  # the input token, as a decode step does
+        rule_rows = penalties.rows(penalty, entries)
+
+    # Penalties and allowed tokens choose the tokens (each column after the drafts before
+    # it); the drafters draft without them, and what they propose against the rules is
+    # rejected like any other miss.
+    rule_logits = None if rule_rows is None else penalties.apply_window(logits, lens, drafts, *rule_rows)
+    if allowed is not None:
+        V = logits.shape[-1]
+        ok = allowed_mask(allowed.reshape(B * W, -1), V).reshape(B, W, V)  # [B * W, V] -> [B, W, V]
+        rule_logits = jnp.where(ok, logits if rule_logits is None else rule_logits, -jnp.inf)
+    probs = drafted.probs
+    draft_probs = probs if probs is None or callable(probs) else (lambda: probs)
+    out_tokens, accept_len, logprobs = accept(logits, drafts, drafted.counts, draft_probs, sp, lens,
+                                              sampling=sampling, backend=spec.accept_backend, rule_logits=rule_logits)
+    if rule_rows is not None:
+        penalty = penalties.record_drafts(penalty, entries, drafts, accept_len)
+    new_lens = lens + accept_len  # padded rows write nothing: entry 0 stays at length 0
+    relay = _set(relay, entries, seq_lens=new_lens)
+    next_token = jnp.take_along_axis(out_tokens, (accept_len - 1)[:, None], axis=1)[:, 0]  # [B] the bonus
+
+    stash = dict(tokens=next_token)
+    dk, dv, slot_tokens = state.draft_k_cache, state.draft_v_cache, state.slot_tokens
+    window = jnp.concatenate([bonus[:, None], drafts], axis=1)  # [B, W]
+    if spec.algorithm == "eagle":
+        d1, g, dk, dv = eagle.extend(dparams, spec.draft_cfg, params, dk, dv, state.req_to_token, entries=entries,
+                                     lens=lens, out_tokens=out_tokens, accept_len=accept_len, hidden=hidden, sp=sp,
+                                     sampling=sampling, **common)
+        stash.update(draft_token=d1, draft_hidden=g.astype(relay.draft_hidden.dtype))
+    elif spec.algorithm == "draft_model":
+        stash.update(last_token=draft_model.last_token(window, accept_len))
+    elif spec.algorithm == "ngram_device":
+        positions = lens[:, None] + jnp.arange(W)[None, :]  # [B, W]
+        kept = (jnp.arange(W)[None, :] < accept_len[:, None]) & real[:, None]  # positions L .. L + a
+        slot_tokens = ngram_device.write_tokens(slot_tokens, state.req_to_token, entries, positions, window, kept)
+    relay = _set(relay, entries, **stash)
+    state = dataclasses.replace(state, relay=relay, draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens,
+                                penalty=penalty)
+    top = None
+    if top_logprobs:
+        ids, values = top_logprobs_of(logits.reshape(B * W, -1))  # [B, W, V] -> [B * W, V]
+        top = (ids.reshape(B, W, -1), values.reshape(B, W, -1))  # [B * W, K] -> [B, W, K]
+    return state, SpecStepOutput.of(out_tokens, logprobs, accept_len, drafts, top)
 
 
 @functools.partial(
@@ -172,91 +320,60 @@ def spec_decode_step(
     a window of one (a plain decode step) that still updates the drafter's state.
     `top_logprobs` (static): also return every window position's TOP_LOGPROBS most likely
     tokens under the raw target distribution."""
-    entries = inputs.entries  # [B] int32, padded rows on entry 0
-    req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
-    relay = state.relay
-    B, k = entries.shape[0], spec.num_draft
-    W = k + 1
-    real = entries != 0
-    lens = relay.seq_lens[entries]  # [B] L: the window covers positions L .. L + k
-    bonus = relay.tokens[entries]  # [B] the previous step's bonus token, at position L
-    sp = SamplingRows.from_relay(relay, entries)
-    penalty, rule_rows = state.penalty, None
-    if sampling and penalty is not None:  # the host sends every batch with a penalized row here
-        penalty = penalties.record_generated(penalty, entries, bonus)  # the input token, as a decode step does
-        rule_rows = penalties.rows(penalty, entries)
-    dk, dv = state.draft_k_cache, state.draft_v_cache
-    slot_tokens = state.slot_tokens
     common = dict(ctx_len=ctx_len, attention=attention)
-    drafting = dict(sp=sp, sampling=sampling, **common)
+    state, drafted = _draft(params, dparams, state, inputs, host_drafts, cfg=cfg, spec=spec, page_size=page_size,
+                            sampling=sampling, **common)
+    state, logits, hidden = _verify(params, state, inputs, drafted.tokens, cfg=cfg, **common)
+    state, out = _accept_extend(params, dparams, state, inputs, drafted, logits, hidden, None, spec=spec,
+                                sampling=sampling, top_logprobs=top_logprobs, **common)
+    return keep_layout(state, state_sharding), out
 
-    # 1. Draft passes. With speculation paused (k = 0: a large batch, where verifying
-    # drafts costs more than it gains) nothing is drafted, and the drafter only keeps its
-    # state up to date below, so that drafting can resume at any later step.
-    draft_probs = None
-    if k == 0:
-        drafts, counts = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
-        if spec.algorithm == "draft_model":  # the K/V of L - 1 that the first draft pass would write
-            dk, dv = draft_model.write_last(dparams, spec.draft_cfg, dk, dv, req_to_token, relay, entries=entries,
-                                            lens=lens, **common)
-    elif spec.algorithm == "eagle":
-        drafts, draft_probs, dk, dv = eagle.propose(dparams, spec.draft_cfg, params, dk, dv, req_to_token, relay,
-                                                    entries=entries, lens=lens, num_draft=k, **drafting)
-        counts = jnp.where(real, k, 0)
-    elif spec.algorithm == "draft_model":
-        drafts, draft_probs, dk, dv = draft_model.propose(dparams, spec.draft_cfg, dk, dv, req_to_token, relay,
-                                                          entries=entries, lens=lens, bonus=bonus, num_draft=k,
-                                                          vocab=cfg.vocab_size, **drafting)
-        counts = jnp.where(real, k, 0)
-    elif spec.algorithm == "ngram_device":
-        drafts, counts = ngram_device.propose(slot_tokens, req_to_token, entries=entries, lens=lens, bonus=bonus,
-                                              num_draft=k, min_match=spec.ngram_min, max_match=spec.ngram_max,
-                                              ctx_len=ctx_len)
-    else:  # host n-gram
-        drafts, counts = host_drafts.tokens, jnp.where(real, host_drafts.counts, 0)
 
-    # 2. The target's verify pass over the window.
-    window = jnp.concatenate([bonus[:, None], drafts], axis=1)  # [B, W]
-    positions = lens[:, None] + jnp.arange(W)[None, :]  # [B, W]
-    hidden, k_cache, v_cache = forward(
-        params, cfg, state.k_cache, state.v_cache, req_to_token,
-        tokens=window, positions=positions, entries=entries, q_valid=jnp.broadcast_to(real[:, None], (B, W)),
-        kv_lens=lens + W, **common,
-    )
-    logits = lm_logits(params, hidden)  # [B, W, V]
+# A speculative step of a batch with structured output runs as the three parts above, one
+# program each. The allowed tokens of each window position follow from the tokens of the step
+# in flight and from this step's drafts: the host reads the drafts when the draft program
+# ends, and builds the masks while the verify pass (most of the step) runs; the accept program
+# then takes them (engine.Engine._step_overlap; the decode step splits the same way, steps.py).
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "spec", "ctx_len", "page_size", "attention", "sampling", "state_sharding"),
+    donate_argnames=("state",),
+)
+def spec_draft_step(params: ModelParams, dparams, state: DeviceState, inputs: DecodeInputs,
+                    host_drafts: HostDrafts | None, *, cfg: ModelConfig, spec: SpecConfig, ctx_len: int,
+                    page_size: int, attention=xla_paged_attention, sampling: bool = True, state_sharding=None):
+    """A speculative step's draft passes: (state, Drafted) for `spec_verify_step`."""
+    state, drafted = _draft(params, dparams, state, inputs, host_drafts, cfg=cfg, spec=spec, page_size=page_size,
+                            sampling=sampling, ctx_len=ctx_len, attention=attention)
+    probs = drafted.probs() if sampling and drafted.probs is not None else None
+    packed = jnp.concatenate([drafted.tokens, drafted.counts[:, None]], axis=1)  # [B, k + 1]
+    return keep_layout(state, state_sharding), dataclasses.replace(drafted, probs=probs, packed=packed)
 
-    # 3. Acceptance, and the new lengths ("publish"). Penalties choose the tokens (each
-    # column after the drafts before it); the drafters draft without them, and what they
-    # propose against the rules is rejected like any other miss.
-    rule_logits = None if rule_rows is None else penalties.apply_window(logits, lens, drafts, *rule_rows)
-    out_tokens, accept_len, logprobs = accept(logits, drafts, counts, draft_probs, sp, lens, sampling=sampling,
-                                              backend=spec.accept_backend, rule_logits=rule_logits)
-    if rule_rows is not None:
-        penalty = penalties.record_drafts(penalty, entries, drafts, accept_len)
-    new_lens = lens + accept_len  # padded rows write nothing: entry 0 stays at length 0
-    relay = _set(relay, entries, seq_lens=new_lens)
-    next_token = jnp.take_along_axis(out_tokens, (accept_len - 1)[:, None], axis=1)[:, 0]  # [B] the bonus
 
-    # 4. Draft extend, and the rest of the relay ("stash").
-    stash = dict(tokens=next_token)
-    if spec.algorithm == "eagle":
-        d1, g, dk, dv = eagle.extend(dparams, spec.draft_cfg, params, dk, dv, req_to_token, entries=entries, lens=lens,
-                                     out_tokens=out_tokens, accept_len=accept_len, hidden=hidden, **drafting)
-        stash.update(draft_token=d1, draft_hidden=g.astype(relay.draft_hidden.dtype))
-    elif spec.algorithm == "draft_model":
-        stash.update(last_token=draft_model.last_token(window, accept_len))
-    elif spec.algorithm == "ngram_device":
-        kept = (jnp.arange(W)[None, :] < accept_len[:, None]) & real[:, None]  # positions L .. L + a
-        slot_tokens = ngram_device.write_tokens(slot_tokens, req_to_token, entries, positions, window, kept)
-    relay = _set(relay, entries, **stash)
-    state = dataclasses.replace(state, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, relay=relay,
-                                draft_k_cache=dk, draft_v_cache=dv, slot_tokens=slot_tokens, penalty=penalty)
-    state = keep_layout(state, state_sharding)
-    top = None
-    if top_logprobs:
-        ids, values = top_logprobs_of(logits.reshape(B * W, -1))  # [B, W, V] -> [B * W, V]
-        top = (ids.reshape(B, W, -1), values.reshape(B, W, -1))  # [B * W, K] -> [B, W, K]
-    return state, SpecStepOutput.of(out_tokens, logprobs, accept_len, drafts, top)
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "ctx_len", "attention", "state_sharding"), donate_argnames=("state",),
+)
+def spec_verify_step(params: ModelParams, state: DeviceState, inputs: DecodeInputs, drafts: jax.Array, *,
+                     cfg: ModelConfig, ctx_len: int, attention=xla_paged_attention, state_sharding=None):
+    """A speculative step's verify pass, after `spec_draft_step` (drafts: its Drafted.tokens
+    [B, k]): (state, logits [B, W, V], hidden [B, W, D]) for `spec_accept_step`."""
+    state, logits, hidden = _verify(params, state, inputs, drafts, cfg=cfg, ctx_len=ctx_len, attention=attention)
+    return keep_layout(state, state_sharding), logits, hidden
+
+
+@functools.partial(
+    jax.jit, static_argnames=("spec", "ctx_len", "attention", "sampling", "top_logprobs", "state_sharding"),
+    donate_argnames=("state",),
+)
+def spec_accept_step(params: ModelParams, dparams, state: DeviceState, inputs: DecodeInputs, drafted: Drafted,
+                     logits: jax.Array, hidden: jax.Array, allowed: jax.Array, *, spec: SpecConfig, ctx_len: int,
+                     attention=xla_paged_attention, sampling: bool = True, top_logprobs: bool = False,
+                     state_sharding=None):
+    """A speculative step's acceptance and draft extend, after `spec_verify_step` on the same
+    inputs. `allowed` [B, W, ceil(V / 32)] int32: the tokens each window position may take
+    (all bits set for rows without a constraint). Returns (state, SpecStepOutput)."""
+    state, out = _accept_extend(params, dparams, state, inputs, drafted, logits, hidden, allowed, spec=spec,
+                                sampling=sampling, top_logprobs=top_logprobs, ctx_len=ctx_len, attention=attention)
+    return keep_layout(state, state_sharding), out
 
 
 @functools.partial(
@@ -303,7 +420,7 @@ def spec_prefill_step(
                                            inp.penalties)
     next_tokens, logprobs, top = sample_after_chunks(
         params, last_hidden, inp.entries, inp.starts, kv_lens, (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed),
-        penalty, count=sampled_rows or R, sampling=sampling, top_logprobs=inp.top_logprobs)
+        penalty, count=sampled_rows or R, sampling=sampling, top_logprobs=inp.top_logprobs, allowed=inp.allowed)
     next_tokens = jnp.where(inp.has_given, inp.given_tokens, next_tokens)
     stash = dict(tokens=next_tokens, temperature=inp.temperature, top_k=inp.top_k, top_p=inp.top_p, min_p=inp.min_p,
                  seed=inp.seed)

@@ -1,0 +1,200 @@
+"""Structured output with speculative decoding: each window position's allowed tokens
+follow from the drafts before it (structured.Grammars.window_bitmask), and a constrained
+batch runs its speculative step as draft, verify and accept programs, the accept program
+launched once step N is processed and the drafts are on the host (speculative/step.py).
+
+On the embedded default model (random weights: every valid output is the constraint's
+doing) with each drafter kind: device n-gram, host n-gram, and EAGLE with a random head
+(sampled drafts with their own distribution)."""
+import re
+
+import numpy as np
+import pytest
+
+from jaxoverlap import LLM, SamplingParams
+from test_structured_output import COLORS, REGEX, SCHEMA, _check_schema
+
+DRAFTERS = ["ngram_device", "ngram", "eagle"]
+
+
+def _params(temperature: float, seed: int = 0) -> list[SamplingParams]:
+    def sp(constraint, n):
+        return SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed, structured_output=constraint)
+
+    return [sp({"json_schema": SCHEMA}, 64), sp({"regex": REGEX}, 32), sp({"choice": COLORS}, 16),
+            sp({"regex": "(ab ){3,12}end"}, 48)]
+
+
+def _check(results) -> None:
+    """Each output is what its constraint allows, and ended by its grammar."""
+    schema, regex, choice, repeat = results
+    _check_schema(schema.text)
+    assert re.fullmatch(REGEX, regex.text), regex.text
+    assert choice.text in COLORS, choice.text
+    assert re.fullmatch("(ab ){3,12}end", repeat.text), repeat.text
+    for r in results:
+        assert r.finish_reason == "stop", (r.text, r.finish_reason)
+
+
+def _engine(algorithm=None) -> LLM:
+    spec = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 4} if algorithm else {}
+    return LLM(None, max_running_requests=8, max_context_len=256, kv_cache_tokens=2048, page_size=8, **spec)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    """The constrained greedy outputs of an engine without a drafter (speculative decoding
+    is lossless for greedy rows: each drafter must give exactly these)."""
+    with _engine() as llm:
+        return [r.token_ids for r in llm.generate(["Once upon a time"] * 4, _params(0.0))]
+
+
+@pytest.mark.parametrize("algorithm", DRAFTERS)
+def test_constrained_outputs_with_each_drafter(algorithm, plain_greedy):
+    with _engine(algorithm) as llm:
+        for overlap in (True, False):
+            llm.engine.set_overlap(overlap)
+            greedy = llm.generate(["Once upon a time"] * 4, _params(0.0))
+            _check(greedy)
+            assert [r.token_ids for r in greedy] == plain_greedy
+            sampled = [llm.generate(["Once upon a time"] * 4, _params(0.8, seed)) for seed in (1, 2)]
+            for results in sampled:
+                _check(results)
+            if overlap:
+                first = [[r.token_ids for r in results] for results in sampled]
+            elif algorithm != "ngram":
+                # Seeded sampling gives the same tokens with and without overlap. (Not with the
+                # host n-gram drafter: its drafts come from a trie of every request's tokens,
+                # whose content depends on the loop, and the drafts decide a sampled row's tokens.)
+                assert [[r.token_ids for r in results] for results in sampled] == first
+            llm.engine.drain()
+        # Drafts are accepted under a constraint: an n-gram drafter finds the pattern the
+        # grammar repeats (a random EAGLE head's drafts are rejected).
+        count = SamplingParams(max_new_tokens=60, temperature=0.0, structured_output={"regex": "(one two three ){2,8}"})
+        [out] = llm.generate(["Count: one two three one two three"], count)
+        assert re.fullmatch("(one two three ){2,8}", out.text), out.text
+        if algorithm != "eagle":
+            assert out.metrics.accept_length > 1.5, out.metrics.accept_length
+        assert llm.engine.runner.grammars is None and llm.engine._constrained == 0
+
+
+@pytest.mark.parametrize("algorithm", ["ngram_device", "eagle"])
+def test_unconstrained_neighbours_get_the_tokens_they_get_alone(algorithm):
+    """A speculative step split in three programs (all tokens allowed for unconstrained rows)
+    gives those rows what the fused step gives them: greedy and sampled, with penalties and
+    top logprobs."""
+    plain = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, top_logprobs=2),
+             SamplingParams(max_new_tokens=24, temperature=0.9, seed=4, ignore_eos=True, logprobs=True),
+             SamplingParams(max_new_tokens=24, temperature=0.7, seed=8, ignore_eos=True, repetition_penalty=1.3,
+                            presence_penalty=0.4)]
+    prompts = ["The cat", "A river", "Once"]
+    with _engine(algorithm) as llm:
+        alone = llm.generate(prompts, plain)
+        mixed = llm.generate(["Once upon a time"] * 4 + prompts, _params(0.5, 3) + plain)
+        _check(mixed[:4])
+        for a, b in zip(alone, mixed[4:]):
+            assert a.token_ids == b.token_ids
+            if a.logprobs is not None:
+                np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+            if a.top_logprobs is not None:
+                assert [[t for t, _ in pos] for pos in a.top_logprobs] == [[t for t, _ in pos] for pos in b.top_logprobs]
+
+
+def test_constrained_speculative_steps_keep_overlap(monkeypatch):
+    """Under overlap, a constrained speculative batch launches its draft program and verify
+    pass before the step in flight is processed, and its accept program after; no iteration
+    waits for the step in flight before it launches."""
+    with _engine("ngram_device") as llm:
+        engine, runner = llm.engine, llm.engine.runner
+        events = []
+
+        def logged(name, fn):
+            def call(*a, **k):
+                events.append(name)
+                return fn(*a, **k)
+            return call
+
+        monkeypatch.setattr(runner, "launch_forward", logged("forward", runner.launch_forward))
+        monkeypatch.setattr(runner, "launch_sample", logged("sample", runner.launch_sample))
+        monkeypatch.setattr(engine.scheduler, "process", logged("process", engine.scheduler.process))
+        engine.guard_launch = True  # no launch reads anything back from the device
+        results = llm.generate(["Once upon a time"] * 4, _params(0.0))
+        _check(results)
+        assert all(t.fresh_wait_s == 0 for t in engine.timings)
+        split = [i for i, e in enumerate(events) if e == "forward"]
+        assert len(split) > 5
+        assert sum(events[i + 1 : i + 3] == ["process", "sample"] for i in split) >= len(split) - 1
+
+
+def _row(matcher):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(req=SimpleNamespace(matcher=matcher))
+
+
+def _bits(mask_row: np.ndarray) -> set[int]:
+    """The token ids a [words] int32 bitmask allows."""
+    bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_window_masks_follow_the_drafts():
+    """Position j's mask is the grammar's after the row's first j drafts, up to the first
+    draft it refuses (or the row's draft count); later positions, rows without a constraint
+    and padding allow everything; the matchers end where they began."""
+    from jaxoverlap.models.loader import default_model_path
+    from jaxoverlap.models.tokenizer import Tokenizer
+    from jaxoverlap.structured import Grammars, StructuredOutput
+
+    tokenizer = Tokenizer.from_path(default_model_path())
+    grammars = Grammars(tokenizer, tokenizer.vocab_size, [])
+    spec = StructuredOutput(regex="[0-9]{3}-[a-z]{2,4}")
+    good = tokenizer.encode("123-abcd")
+    k = len(good) + 1
+    bad = tokenizer.encode("x")[0]
+    drafts = np.zeros((4, k), np.int32)
+    drafts[0, : len(good)] = good  # every draft valid (the last column is padding: count says so)
+    drafts[1, :2], drafts[1, 2] = good[:2], bad  # the third draft is refused
+    drafts[2, :] = good[0]  # no constraint
+    counts = np.array([len(good), k, k, 0])
+    matchers = [grammars.matcher(spec), grammars.matcher(spec), None]
+    before = [grammars.bitmask([_row(m)], 1)[0] for m in matchers[:2]]
+    mask = grammars.window_bitmask([_row(m) for m in matchers], 4, drafts, counts)
+    assert mask.shape == (4, k + 1, grammars.words)
+
+    def expected(tokens):
+        m = grammars.matcher(spec)
+        assert m.consume_tokens(list(tokens))
+        return grammars.bitmask([_row(m)], 1)[0]
+
+    for j in range(len(good) + 1):
+        np.testing.assert_array_equal(mask[0, j], expected(good[:j]))
+    for j in range(3):
+        np.testing.assert_array_equal(mask[1, j], expected(good[:j]))
+    assert bad not in _bits(mask[1, 2])
+    assert (mask[1, 3:] == -1).all() and (mask[2:] == -1).all() and (mask[0, len(good) + 1:] == -1).all()
+    # The grammar's own restriction shows: a digit first, never a letter.
+    assert tokenizer.encode("1")[0] in _bits(mask[0, 0]) and tokenizer.encode("a")[0] not in _bits(mask[0, 0])
+    for m, b in zip(matchers, before):  # rolled back
+        np.testing.assert_array_equal(grammars.bitmask([_row(m)], 1)[0], b)
+        assert not m.is_stopped() and not m.is_error()
+    # A draft that completes the grammar: the request ends with it (engine._check_token), so
+    # the positions after it are never read; the matcher is live again afterwards.
+    yes = tokenizer.encode("yes")
+    choice = grammars.matcher(StructuredOutput(choice=("yes", "no")))
+    window = np.array([yes + [bad, bad]], np.int32)
+    mask = grammars.window_bitmask([_row(choice)], 1, window, np.array([window.shape[1]]))
+    for j in range(len(yes)):
+        assert yes[j] in _bits(mask[0, j]) and bad not in _bits(mask[0, j])
+    assert (mask[0, len(yes):] == -1).all()
+    assert not choice.is_stopped() and choice.consume_tokens(yes) and choice.is_stopped()
+
+
+def test_a_grammar_that_ends_inside_the_window():
+    """A choice completed by a draft: the request stops at that token with its text whole,
+    whatever the window held after it."""
+    with _engine("ngram") as llm:
+        params = SamplingParams(max_new_tokens=16, temperature=0.0, structured_output={"choice": ["yes", "no"]})
+        for _ in range(3):  # the host trie learns the answer: later runs draft it (and past it)
+            [out] = llm.generate(["Answer: yes or no? The answer is"], params)
+            assert out.text in ("yes", "no") and out.finish_reason == "stop"
