@@ -6,12 +6,19 @@ advance the grammars), builds each constrained row's bitmask and launches the sa
 it: the table gives the step period, the host's time per step (both launches in `launch`)
 and tokens/s of each.
 
+With `--speculative ALGO` the engine drafts (EAGLE with a random head, or an n-gram
+drafter): a constrained batch's speculative step then runs as draft, verify and accept
+programs, the host reading the drafts while the verify pass runs to build each window
+position's mask; `accept_len` says how many tokens a row gained per step (a random head's
+drafts are rejected: it times the step, not the acceptance).
+
 The dummy model has no tokenizer, so the embedded default model's (1024 tokens) stands in:
 llguidance's mask work per row grows with the tokenizer's vocabulary, so this host figure
 is a lower bound for a real 150k-token one; the mask sent and applied is the model's full
 vocabulary either way.
 
     python benchmarks/structured_bench.py --batches 1 32 --new-tokens 64
+    python benchmarks/structured_bench.py --batches 1 32 --speculative eagle --precompile
     python benchmarks/structured_bench.py --tiny
 """
 from __future__ import annotations
@@ -30,9 +37,10 @@ from common import QWEN3_8B, TINY, ensure_importable, median, model_dir, print_t
 REGEX = "[a-z ]{1,2000}"
 
 
-def build_engine(tiny: bool, batches):
+def build_engine(tiny: bool, batches, speculative: str | None = None):
     """An engine of Qwen3-8B shapes (TINY with `tiny`), dummy weights, and the embedded model's
-    tokenizer standing in (see above), for batches up to max(batches) of 64-token prompts."""
+    tokenizer standing in (see above), for batches up to max(batches) of 64-token prompts;
+    with `speculative`, that drafter (EAGLE: a random head)."""
     import jax.numpy as jnp
 
     from jaxoverlap.config import EngineConfig
@@ -49,7 +57,7 @@ def build_engine(tiny: bool, batches):
     return Engine(EngineConfig(
         model=model_dir(hf), load_format="dummy", dtype=dtype, max_running_requests=max_b, max_context_len=512,
         kv_cache_tokens=max_b * 512, page_size=16, batch_buckets=tuple(sorted(batches)),
-        disable_prefix_cache=True), model_config=cfg, params=params,
+        disable_prefix_cache=True, speculative_algorithm=speculative), model_config=cfg, params=params,
         tokenizer=Tokenizer.from_path(default_model_path()))
 
 
@@ -62,6 +70,8 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--precompile", action="store_true",
                     help="first time Engine.warmup(structured=True) for these batches (greedy programs)")
+    ap.add_argument("--speculative", choices=["eagle", "ngram_device", "ngram"],
+                    help="decode with this drafter (eagle: a random head)")
     ap.add_argument("--out", default="structured_bench.json")
     args = ap.parse_args()
     ensure_importable()
@@ -69,7 +79,7 @@ def main():
 
     from jaxoverlap.sampling_params import SamplingParams
 
-    engine = build_engine(args.tiny, args.batches)
+    engine = build_engine(args.tiny, args.batches, args.speculative)
     cfg = engine.model_config
 
     compiled = []
@@ -96,8 +106,11 @@ def main():
         dec = [x for x in list(engine.timings)[start:] if x.kind == "decode" and x.batch_size == B]
         period = median([x.prepare_s + x.launch_s + x.wait_s + x.process_s + x.fresh_wait_s for x in dec])
         host = median([x.prepare_s + x.launch_s + x.process_s + x.fresh_process_s for x in dec])
+        rows = sum(x.verify_rows for x in dec)
+        accept_len = sum(x.accepted_tokens for x in dec) / rows if rows else 1.0
         bad = sum(f.finish_reason != "length" or len(f.token_ids) != args.new_tokens for f in finals.values())
-        return {"period_ms": period * 1e3, "host_ms": host * 1e3, "tok_s": B / period if dec else float("nan"),
+        return {"period_ms": period * 1e3, "host_ms": host * 1e3, "accept_len": accept_len,
+                "tok_s": B * accept_len / period if dec else float("nan"),
                 "launch_ms": median([x.launch_s for x in dec]) * 1e3,
                 "process_ms": median([x.process_s + x.fresh_process_s for x in dec]) * 1e3,
                 "wall_s": wall, "not_full_length": bad}
@@ -119,6 +132,7 @@ def main():
                          "vs_unconstrained": period / base, "host_ms": median([r["host_ms"] for r in res]),
                          "launch_ms": median([r["launch_ms"] for r in res]),
                          "process_ms": median([r["process_ms"] for r in res]),
+                         "accept_len": median([r["accept_len"] for r in res]),
                          "tok_s": median([r["tok_s"] for r in res]),
                          "not_full_length": sum(r["not_full_length"] for r in res)})
             print_table(rows[-1:], list(rows[-1]))
