@@ -18,7 +18,8 @@ accepted tokens: for such a batch the overlap loop processes step N before the l
 Structured output keeps overlap: a decode batch with a constrained row launches its forward
 pass behind step N, processes step N while that runs (the tokens advance the grammars), and
 then launches its sampling with the rows' allowed tokens (ModelRunner.launch_forward /
-launch_sample).
+launch_sample). With a drafter, the forward part is the draft program and the verify pass,
+and the sampling part the acceptance, with a mask per window position built from the drafts.
 """
 from __future__ import annotations
 

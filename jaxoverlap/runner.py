@@ -8,7 +8,8 @@ step's small outputs to the host. Tests run it under
 With a drafter, decode batches launch the speculative step and prefill batches the
 prefill that also fills the drafter (speculative/step.py). The host n-gram drafter builds
 its drafts here from host data only; the wait for the previous step that it needs happens
-before `launch`, in the engine loop, where it is explicit and timed.
+before `launch`, in the engine loop, where it is explicit and timed. So does the wait for
+a constrained speculative step's drafts (ForwardedStep.wait_drafts), between its two launches.
 """
 from __future__ import annotations
 

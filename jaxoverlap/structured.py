@@ -13,7 +13,15 @@ overlap loop prepares step N+1. So a decode batch that holds a constrained row r
 programs (Engine._step_overlap): its forward pass is queued behind step N, step N is
 processed while it runs (its tokens advance the matchers), and the sampling is queued with
 the masks; the device never waits for them while the forward pass outlasts the host's
-work. Not with speculative decoding (refused).
+work.
+
+With speculative decoding each window position needs its own mask, which also follows from
+the drafts before it (`Grammars.window_bitmask`). A constrained batch's speculative step
+runs as three programs (speculative/step.py): the draft program and the verify pass are
+queued behind step N; the host processes step N, reads the drafts (the draft program ends
+long before the verify pass), walks each grammar along its row's drafts for the masks, and
+queues the accept program with them. A draft the grammar refuses is rejected like any miss
+(its masked target probability is 0), and the token drawn there is one the grammar allows.
 
 Host-side only (numpy and llguidance): the device side is `allowed_mask` in sampling.py.
 """
@@ -234,32 +242,36 @@ class Grammars:
         k + 1, words] int32): position j of row i may take what its grammar allows after the
         row's first j drafts (`drafts` [num_rows, k], `counts` [num_rows] real drafts per row).
 
-        The matchers take each row's drafts up to the first one their grammar refuses, and
-        give them back (rollback) before this returns. Past that draft the mask is never
-        read: the draft is refused at its position, so the window's tokens end there. Those
-        positions, rows without a constraint and padding keep every bit set."""
-        num_draft = drafts.shape[1]
-        mask = np.full((num_rows, num_draft + 1, self.words), -1, np.int32)
-        flat = mask.reshape(num_rows * (num_draft + 1), self.words)  # [rows, W, words] -> [rows * W, words], a view
-        live = [(i, row.req.matcher) for i, row in enumerate(rows) if row.req.matcher is not None
-                and not (row.req.matcher.is_stopped() or row.req.matcher.is_error())]
-        # How many drafts each grammar takes: as many positions past the first get a mask.
-        valid = {i: m.validate_tokens(drafts[i, : counts[i]].tolist()) if counts[i] else 0 for i, m in live}
+        Each row's grammar walks its drafts on a copy of the request's matcher, up to the
+        first draft that the mask of its position refuses: the request's own matcher never
+        moves (llguidance cannot roll back every grammar, `stop=` and `max_tokens=` lexemes
+        among them, and its errors are final). Past that draft the mask is never read: the
+        draft is refused at its position, so the window's tokens end there. Those positions,
+        rows without a constraint and padding keep every bit set."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        taken = dict.fromkeys(valid, 0)
-        for j in range(num_draft + 1):
-            here = [(m, i * (num_draft + 1) + j) for i, m in live if j <= valid[i] and not m.is_stopped()]
-            if not here:
+        W = drafts.shape[1] + 1
+        mask = np.full((num_rows, W, self.words), -1, np.int32)
+        flat = mask.reshape(num_rows * W, self.words)  # [rows, W, words] -> [rows * W, words], a view
+        # (row, the matcher whose state is that of the row's position j), for rows still walking
+        walking = [(i, row.req.matcher) for i, row in enumerate(rows) if row.req.matcher is not None
+                   and not (row.req.matcher.is_stopped() or row.req.matcher.is_error())]
+        for j in range(W):
+            if not walking:
                 break
-            fill_next_token_bitmask_par(self.executor, here, flat)
-            for i, m in live:
-                if j < valid[i] and not m.is_stopped():
-                    m.consume_token(int(drafts[i, j]))
-                    taken[i] += 1
-        for i, m in live:
-            if taken[i]:
-                m.rollback(taken[i])
+            fill_next_token_bitmask_par(self.executor, [(m, i * W + j) for i, m in walking], flat)
+            if j == W - 1:
+                break
+            going = []
+            for i, m in walking:
+                token = int(drafts[i, j])
+                if j >= counts[i] or not (int(mask[i, j, token // 32]) >> (token % 32)) & 1:
+                    continue  # no draft here, or the grammar refuses it: the window ends at j
+                if j == 0:
+                    m = m.deep_copy()  # the request's matcher stays where the request is
+                if m.consume_token(token) and not (m.is_stopped() or m.is_error()):
+                    going.append((i, m))  # (a draft that completes the grammar ends the request)
+            walking = going
         return mask
 
     @functools.cached_property

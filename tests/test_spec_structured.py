@@ -141,7 +141,7 @@ def _bits(mask_row: np.ndarray) -> set[int]:
 def test_window_masks_follow_the_drafts():
     """Position j's mask is the grammar's after the row's first j drafts, up to the first
     draft it refuses (or the row's draft count); later positions, rows without a constraint
-    and padding allow everything; the matchers end where they began."""
+    and padding allow everything; the requests' matchers do not move."""
     from jaxoverlap.models.loader import default_model_path
     from jaxoverlap.models.tokenizer import Tokenizer
     from jaxoverlap.structured import Grammars, StructuredOutput
@@ -175,11 +175,11 @@ def test_window_masks_follow_the_drafts():
     assert (mask[1, 3:] == -1).all() and (mask[2:] == -1).all() and (mask[0, len(good) + 1:] == -1).all()
     # The grammar's own restriction shows: a digit first, never a letter.
     assert tokenizer.encode("1")[0] in _bits(mask[0, 0]) and tokenizer.encode("a")[0] not in _bits(mask[0, 0])
-    for m, b in zip(matchers, before):  # rolled back
+    for m, b in zip(matchers, before):  # the requests' own matchers never moved
         np.testing.assert_array_equal(grammars.bitmask([_row(m)], 1)[0], b)
         assert not m.is_stopped() and not m.is_error()
     # A draft that completes the grammar: the request ends with it (engine._check_token), so
-    # the positions after it are never read; the matcher is live again afterwards.
+    # the positions after it are never read; the request's matcher has not moved.
     yes = tokenizer.encode("yes")
     choice = grammars.matcher(StructuredOutput(choice=("yes", "no")))
     window = np.array([yes + [bad, bad]], np.int32)
@@ -198,3 +198,29 @@ def test_a_grammar_that_ends_inside_the_window():
         for _ in range(3):  # the host trie learns the answer: later runs draft it (and past it)
             [out] = llm.generate(["Answer: yes or no? The answer is"], params)
             assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_grammars_that_cannot_roll_back():
+    """llguidance cannot roll back a matcher past `stop=` or `max_tokens=` lexemes, and its
+    errors are final: the walk along each window's drafts runs on a copy of the request's
+    matcher, so such requests end as they do without a drafter (they ended with "abort"
+    when the walk rolled the request's own matcher back)."""
+    with _engine() as llm:
+        ab = llm.engine.tokenizer.encode("ab")[0]
+        requests = [  # (prompt, params): drafts that the grammar takes, then drafts past max_tokens
+            ("say: the cat sat on the mat end. say: the cat sat on the mat end. say: the cat",
+             SamplingParams(max_new_tokens=40, temperature=0.0,
+                            structured_output={"grammar": 'start: "say:" w "."\nw[stop=" end"]: /[a-z ]+/'})),
+            ([ab] * 12, SamplingParams(max_new_tokens=16, temperature=0.0, logit_bias=((ab, 50.0),),
+                                       structured_output={"grammar": 'start: w " end"\nw[max_tokens=3]: /[a-z]+/'})),
+        ]
+        want = [llm.generate([p], [sp])[0] for p, sp in requests]
+    assert want[1].text == "ababab end"
+    for algorithm in ("ngram_device", "ngram"):
+        with _engine(algorithm) as llm:
+            for overlap in (True, False):
+                llm.engine.drain()  # the overlap loop may still hold a step of nobody's
+                llm.engine.set_overlap(overlap)
+                got = [llm.generate([p], [sp])[0] for p, sp in requests]
+                assert [(r.token_ids, r.finish_reason) for r in got] == [(r.token_ids, r.finish_reason) for r in want]
+            assert llm.engine.stats()["accept_length"] > 1.05  # drafts were walked and taken

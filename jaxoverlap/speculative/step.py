@@ -11,6 +11,10 @@ verify pass ("publish"), then the bonus token and the drafter's state after draf
 ("stash"). Inside one XLA program that order is the program's data flow, not a timeline:
 nothing outside the program can see the relay before the program ends.
 
+A batch with structured output runs the same step as three programs (draft, verify,
+accept: `spec_draft_step` etc. below), so that the host can build each window position's
+allowed tokens from the drafts while the verify pass runs (jaxoverlap/structured.py).
+
 `sampling` is static (see verify.py): all-greedy batches run a program without the
 vocabulary sorts and the rejection sampler, and no program holds a `lax.cond`, whose
 predicate XLA would read back to the host on GPU.
