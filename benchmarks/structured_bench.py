@@ -61,6 +61,31 @@ def build_engine(tiny: bool, batches, speculative: str | None = None):
         tokenizer=Tokenizer.from_path(default_model_path()))
 
 
+def time_calls(engine) -> dict:
+    """Wrap the engine's program calls, mask builders and wait for drafts with timers:
+    {part: [seconds per call]}, cleared by the caller between runs (`--calls`)."""
+    from jaxoverlap import runner as runner_module
+
+    calls: dict = {}
+
+    def timed(name_of, fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            calls.setdefault(name_of(*a), []).append(time.perf_counter() - t)
+            return out
+        return call
+
+    r = engine.runner
+    # Program keys start with the program's name (forward, sample, spec_draft, ...), a decode step's with its batch.
+    r._call_decode = timed(lambda key, *_: f"{key[0] if isinstance(key[0], str) else 'decode'}_call", r._call_decode)
+    g = engine.grammars
+    g.bitmask = timed(lambda *_: "masks", g.bitmask)
+    g.window_bitmask = timed(lambda *_: "masks", g.window_bitmask)
+    runner_module.ForwardedStep.wait_drafts = timed(lambda *_: "wait_drafts", runner_module.ForwardedStep.wait_drafts)
+    return calls
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -72,6 +97,8 @@ def main():
                     help="first time Engine.warmup(structured=True) for these batches (greedy programs)")
     ap.add_argument("--speculative", choices=["eagle", "ngram_device", "ngram"],
                     help="decode with this drafter (eagle: a random head)")
+    ap.add_argument("--calls", action="store_true",
+                    help="also time the launch's parts: each program call (by program), the masks, the wait for drafts")
     ap.add_argument("--out", default="structured_bench.json")
     args = ap.parse_args()
     ensure_importable()
@@ -81,6 +108,7 @@ def main():
 
     engine = build_engine(args.tiny, args.batches, args.speculative)
     cfg = engine.model_config
+    calls = time_calls(engine) if args.calls else None
 
     compiled = []
     if args.precompile:  # the programs a server's --precompile-structured adds, and their compile time
@@ -97,6 +125,8 @@ def main():
                                 structured_output=so, detokenize=False)
             engine.add_request(f"{seed}-{i}", [int(t) for t in rng.integers(1, min(1000, cfg.vocab_size), args.prompt_len)], sp)
         start, t = len(engine.timings), time.perf_counter()
+        if calls is not None:
+            calls.clear()
         finals = {}
         while engine.has_work():
             for o in engine.step():
@@ -113,7 +143,8 @@ def main():
                 "tok_s": B * accept_len / period if dec else float("nan"),
                 "launch_ms": median([x.launch_s for x in dec]) * 1e3,
                 "process_ms": median([x.process_s + x.fresh_process_s for x in dec]) * 1e3,
-                "wall_s": wall, "not_full_length": bad}
+                "wall_s": wall, "not_full_length": bad,
+                **({f"{k}_ms": median(v) * 1e3 for k, v in sorted(calls.items())} if calls else {})}
 
     rows = []
     for B in args.batches:
@@ -134,10 +165,12 @@ def main():
                          "process_ms": median([r["process_ms"] for r in res]),
                          "accept_len": median([r["accept_len"] for r in res]),
                          "tok_s": median([r["tok_s"] for r in res]),
-                         "not_full_length": sum(r["not_full_length"] for r in res)})
+                         "not_full_length": sum(r["not_full_length"] for r in res),
+                         **{k: median([r.get(k, float("nan")) for r in res]) for k in res[0] if k.endswith("_call_ms")
+                            or k in ("masks_ms", "wait_drafts_ms")}})
             print_table(rows[-1:], list(rows[-1]))
     print("\nsummary (period: median decode loop iteration; host: prepare + launch + process)")
-    print_table(rows, list(rows[0]))
+    print_table(rows, list(dict.fromkeys(k for row in rows for k in row)))
     write_results(args.out, args, rows, regex=REGEX, compiled=compiled)
 
 
