@@ -75,6 +75,20 @@ def test_structured_bench(tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_structured_bench_with_a_drafter(tmp_path):
+    res = run_script(tmp_path, "structured_bench", "--tiny", "--batches", "2", "--new-tokens", "8", "--repeats", "1",
+                     "--speculative", "ngram_device", "--calls")
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"none", "all", "one"}
+    assert rows["none"]["decode_call_ms"] > 0 and "spec_verify_call_ms" not in rows["none"]
+    for name in ("all", "one"):  # every constrained step: the three programs, the masks and the wait for drafts
+        r = rows[name]
+        assert all(r[f"{k}_ms"] > 0 for k in ("spec_draft_call", "spec_verify_call", "spec_accept_call", "masks",
+                                             "wait_drafts")), r
+        assert r["accept_len"] >= 1
+
+
+@pytest.mark.timeout(400)
 def test_structured_launch_probe(tmp_path):
     res = run_script(tmp_path, "structured_launch_probe", "--tiny", "--batches", "2", "--new-tokens", "8",
                      "--repeats", "1", "--variants", "plain", "default", "one_exe")
