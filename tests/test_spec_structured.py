@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxoverlap import LLM, SamplingParams
-from test_structured_output import COLORS, REGEX, SCHEMA, _check_schema
+from test_structured_output import COLORS, REGEX, SCHEMA, _check_schema, log_split_launches
 
 DRAFTERS = ["ngram_device", "ngram", "eagle"]
 
@@ -105,18 +105,8 @@ def test_constrained_speculative_steps_keep_overlap(monkeypatch):
     pass before the step in flight is processed, and its accept program after; no iteration
     waits for the step in flight before it launches."""
     with _engine("ngram_device") as llm:
-        engine, runner = llm.engine, llm.engine.runner
-        events = []
-
-        def logged(name, fn):
-            def call(*a, **k):
-                events.append(name)
-                return fn(*a, **k)
-            return call
-
-        monkeypatch.setattr(runner, "launch_forward", logged("forward", runner.launch_forward))
-        monkeypatch.setattr(runner, "launch_sample", logged("sample", runner.launch_sample))
-        monkeypatch.setattr(engine.scheduler, "process", logged("process", engine.scheduler.process))
+        engine = llm.engine
+        events = log_split_launches(engine, monkeypatch)
         engine.guard_launch = True  # no launch reads anything back from the device
         results = llm.generate(["Once upon a time"] * 4, _params(0.0))
         _check(results)

@@ -83,13 +83,10 @@ def test_overlap_on_and_off_agree_and_unconstrained_neighbours_are_unchanged(llm
     assert llm.engine.runner.grammars is None and llm.engine._constrained == 0
 
 
-def test_constrained_decode_steps_keep_overlap(llm, monkeypatch):
-    """Under overlap, a constrained decode batch launches its forward pass before the step in
-    flight is processed and its sampling after, with masks that the processed tokens have
-    advanced; no iteration waits for the step in flight before its launch. A constrained
-    request that ends while others run leaves them the tokens they get alone."""
-    engine, runner = llm.engine, llm.engine.runner
-    events = []
+def log_split_launches(engine, monkeypatch) -> list[str]:
+    """The engine's launches and step processing from now on, in order: "forward" and
+    "sample" (a split step's two launches), "launch" (a whole step), "process"."""
+    runner, events = engine.runner, []
 
     def logged(name, fn):
         def call(*a, **k):
@@ -101,6 +98,16 @@ def test_constrained_decode_steps_keep_overlap(llm, monkeypatch):
     monkeypatch.setattr(runner, "launch_sample", logged("sample", runner.launch_sample))
     monkeypatch.setattr(runner, "launch", logged("launch", runner.launch))
     monkeypatch.setattr(engine.scheduler, "process", logged("process", engine.scheduler.process))
+    return events
+
+
+def test_constrained_decode_steps_keep_overlap(llm, monkeypatch):
+    """Under overlap, a constrained decode batch launches its forward pass before the step in
+    flight is processed and its sampling after, with masks that the processed tokens have
+    advanced; no iteration waits for the step in flight before its launch. A constrained
+    request that ends while others run leaves them the tokens they get alone."""
+    engine = llm.engine
+    events = log_split_launches(engine, monkeypatch)
     plain = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
     [alone] = llm.generate(["The cat"], plain)
     start, events[:] = len(engine.timings), []
