@@ -63,6 +63,11 @@ class Request:
     # SamplingParams.structured_output: its llguidance matcher, advanced by every output token
     # (structured.py), from which each step's allowed tokens come.
     matcher: object = None
+    # With a drafter: the output length at which the grammar failed (a parser limit) while
+    # the masks of the launched step's window were walked along its drafts (on a copy of the
+    # matcher, Grammars.window_bitmask); the token that reaches it ends the request with
+    # "abort", as a failure of the matcher's own mask would.
+    grammar_failed_at: int | None = None
 
     # SamplingParams.prompt_logprobs: per prompt position, the logprob of its token given
     # the tokens before it and whether it was the argmax there (None at position 0), filled

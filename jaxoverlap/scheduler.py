@@ -546,7 +546,7 @@ class Scheduler:
         return updated
 
     def _check_stop(self, req: Request) -> str | None:
-        if req.matcher is not None and req.matcher.is_error():
+        if req.matcher is not None and (req.matcher.is_error() or req.grammar_failed_at == len(req.output_ids)):
             # Its structured output failed while the token's mask was made (a parser limit):
             # the mask allowed EOS only, which must not read as a completed output.
             return "abort"

@@ -247,7 +247,9 @@ class Grammars:
         moves (llguidance cannot roll back every grammar, `stop=` and `max_tokens=` lexemes
         among them, and its errors are final). Past that draft the mask is never read: the
         draft is refused at its position, so the window's tokens end there. Those positions,
-        rows without a constraint and padding keep every bit set."""
+        rows without a constraint and padding keep every bit set. A grammar that fails while
+        a mask is made (a parser limit: the mask then allows EOS only) sets its request's
+        `grammar_failed_at`, so that the token made under that mask ends it with "abort"."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
         W = drafts.shape[1] + 1
@@ -256,10 +258,18 @@ class Grammars:
         # (row, the matcher whose state is that of the row's position j), for rows still walking
         walking = [(i, row.req.matcher) for i, row in enumerate(rows) if row.req.matcher is not None
                    and not (row.req.matcher.is_stopped() or row.req.matcher.is_error())]
+        for i, _ in walking:
+            rows[i].req.grammar_failed_at = None
         for j in range(W):
             if not walking:
                 break
             fill_next_token_bitmask_par(self.executor, [(m, i * W + j) for i, m in walking], flat)
+            for i, m in walking:
+                if m.is_error():
+                    req = rows[i].req
+                    req.grammar_failed_at = len(req.output_ids) + j + 1
+                    logger.warning("structured output of row %d failed at window position %d: %s", i, j,
+                                   m.get_error())
             if j == W - 1:
                 break
             going = []

@@ -78,7 +78,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
               "programs), so that the first request asking for top_logprobs compiles nothing")
     _add(g, "--precompile-structured", action="store_true",
          help="with --precompile: also the programs of batches with structured output (each decode bucket's "
-              "forward pass and sampling; with 'all', each prefill's variant with allowed tokens), so that "
+              "forward pass and sampling, with a drafter its draft, verify and accept programs; with 'all', each "
+              "prefill's variant with allowed tokens), so that "
               "the first request with a structured_output compiles nothing")
     return parser
 

@@ -214,3 +214,42 @@ def test_grammars_that_cannot_roll_back():
                 got = [llm.generate([p], [sp])[0] for p, sp in requests]
                 assert [(r.token_ids, r.finish_reason) for r in got] == [(r.token_ids, r.finish_reason) for r in want]
             assert llm.engine.stats()["accept_length"] > 1.05  # drafts were walked and taken
+
+
+def test_a_grammar_that_fails_inside_the_window_ends_with_abort(monkeypatch):
+    """A parser limit hit while a later position's mask is made (on the walk's copy of the
+    matcher, whose own state is fine) leaves that position EOS only: the request records
+    where, and the token made there ends it with "abort", not "stop" with broken output."""
+    from types import SimpleNamespace
+
+    from llguidance import LLParserLimits
+
+    from jaxoverlap.models.loader import default_model_path
+    from jaxoverlap.models.tokenizer import Tokenizer
+    from jaxoverlap.structured import Grammars, StructuredOutput
+
+    tokenizer = Tokenizer.from_path(default_model_path())
+    eos = 1
+    grammars = Grammars(tokenizer, tokenizer.vocab_size, [eos])
+    monkeypatch.setattr(grammars, "limits", LLParserLimits(step_lexer_fuel=2, verbose_errors=False))
+    spec = StructuredOutput(regex="(one two three ){2,8}")
+    ids = tokenizer.encode("one two three " * 4)
+    for start in range(len(ids) - 3):  # the first window whose walk fails past its first position
+        matcher = grammars.matcher(spec)
+        assert matcher.consume_tokens(ids[:start]) if start else True
+        req = SimpleNamespace(matcher=matcher, output_ids=list(ids[:start]), grammar_failed_at=None, stop_ids={eos})
+        mask = grammars.window_bitmask([SimpleNamespace(req=req)], 1, np.array([ids[start : start + 3]], np.int32),
+                                       np.array([3]))
+        if req.grammar_failed_at is not None:
+            break
+    else:
+        pytest.fail("no window's walk hit the parser limit: the checks below cannot fail")
+    j = req.grammar_failed_at - start - 1  # the window position whose mask failed
+    assert j > 0 and not matcher.is_error()  # the request's own matcher is fine
+    assert _bits(mask[0, j]) == {eos}
+    req.output_ids = list(ids[: start + j]) + [eos]  # the window's tokens up to the failed position
+    with _engine() as llm:
+        check = llm.engine.scheduler._check_stop
+        assert check(req) == "abort"
+        req.grammar_failed_at = None
+        assert check(req) == "stop"  # (what the EOS would have read as)
