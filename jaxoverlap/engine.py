@@ -581,7 +581,7 @@ class Engine:
             t4 = time.perf_counter()
             self._inflight = self._launch(batch, lambda _: self.runner.launch_sample(forwarded))
             launch_s, process_s = t2 - t1b + time.perf_counter() - t4, t3 - t2 - wait_s
-            wait_s += t4 - t3
+            wait_s += t4 - t3  # (after process_s: the wait for the drafts is no processing)
         else:
             launched = self._launch(batch) if batch is not None else None  # step N+1 queued behind N
             t2 = time.perf_counter()

@@ -63,10 +63,11 @@ class Request:
     # SamplingParams.structured_output: its llguidance matcher, advanced by every output token
     # (structured.py), from which each step's allowed tokens come.
     matcher: object = None
-    # With a drafter: the output length at which the grammar failed (a parser limit) while
-    # the masks of the launched step's window were walked along its drafts (on a copy of the
-    # matcher, Grammars.window_bitmask); the token that reaches it ends the request with
-    # "abort", as a failure of the matcher's own mask would.
+    # With a drafter: where the grammar failed (a parser limit) while the masks of the step
+    # being launched were walked along its drafts (on a copy of the matcher,
+    # Grammars.window_bitmask), as len(output_ids) once the token drawn under the failed mask
+    # is appended; that token ends the request with "abort", as a failure of the matcher's own
+    # mask would. Set for each split speculative step (ModelRunner.launch_sample), None if none.
     grammar_failed_at: int | None = None
 
     # SamplingParams.prompt_logprobs: per prompt position, the logprob of its token given

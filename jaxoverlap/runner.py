@@ -113,19 +113,20 @@ class ForwardedStep:
     top: bool  # whether any row wants top logprobs
     grammars: object  # structured.Grammars (the runner's at the forward launch)
     # Speculative steps only: the step's context bucket, its drafts (speculative.step.Drafted,
-    # their copy to the host started), the verify pass's hidden states, and the drafts on the
-    # host (`wait_drafts`; given at once by the host n-gram drafter).
+    # their copy to the host started), the verify pass's hidden states, and the drafts' copy
+    # on the host, (tokens [B, k], counts [B]) (`wait_drafts`; at once for the host n-gram
+    # drafter's, which the host made).
     ctx_len: int = 0
     drafted: object = None
     hidden: object = None
-    host_drafts: tuple[np.ndarray, np.ndarray] | None = None
+    drafts_on_host: tuple[np.ndarray, np.ndarray] | None = None
 
     def wait_drafts(self) -> None:
         """Wait for a speculative step's drafts (its draft program only, not its verify pass)."""
-        if self.drafted is not None and self.host_drafts is None:
+        if self.drafted is not None and self.drafts_on_host is None:
             from jaxoverlap.speculative.step import Drafted
 
-            self.host_drafts = Drafted.unpack(np.asarray(self.drafted.packed))
+            self.drafts_on_host = Drafted.unpack(np.asarray(self.drafted.packed))
 
 
 def batch_samples(batch: ScheduledBatch) -> bool:
@@ -409,14 +410,14 @@ class ModelRunner:
         host_drafts = self._host_drafts(batch, B) if self.needs_host_results(batch) else None
         self.state, drafted = self._call_decode(*self._spec_draft_program(inputs, host_drafts, ctx_len, sampling,
                                                                           batch.draft))
-        given = None
+        ngram_drafts = None
         if host_drafts is not None:  # the host made them: nothing to wait for
-            given = (host_drafts.tokens, np.where(np.arange(B) < batch.size, host_drafts.counts, 0))
+            ngram_drafts = (host_drafts.tokens, np.where(np.arange(B) < batch.size, host_drafts.counts, 0))
         elif self.start_host_copy:
             drafted.packed.copy_to_host_async()
         self.state, logits, hidden = self._call_decode(*self._spec_verify_program(inputs, drafted, ctx_len))
-        return ForwardedStep(batch, B, inputs, logits, sampling, top, self.grammars, ctx_len, drafted, hidden,
-                             given)
+        return ForwardedStep(batch, B, inputs, logits, sampling, top, self.grammars, ctx_len=ctx_len,
+                             drafted=drafted, hidden=hidden, drafts_on_host=ngram_drafts)
 
     def launch_sample(self, fwd: "ForwardedStep") -> LaunchedStep:
         """The sampling of a step `launch_forward` launched, with each row's allowed tokens as
@@ -430,7 +431,10 @@ class ModelRunner:
             program = self._sample_program(fwd.inputs, fwd.logits, allowed, fwd.sampling, fwd.top)
         else:
             fwd.wait_drafts()
-            allowed = fwd.grammars.window_bitmask(rows, fwd.B, *fwd.host_drafts)
+            from jaxoverlap.structured import mark_failures
+
+            allowed, failed = fwd.grammars.window_bitmask(rows, fwd.B, *fwd.drafts_on_host)
+            mark_failures(rows, failed)
             program = self._spec_accept_program(fwd, allowed)
         self.state, out = self._call_decode(*program)
         return self._launched(fwd.batch, out)
@@ -474,7 +478,7 @@ class ModelRunner:
         """... of its acceptance and draft extend (speculative.step.spec_accept_step)."""
         from jaxoverlap.speculative.step import spec_accept_step
 
-        draft = fwd.drafted.tokens.shape[1] > 0
+        draft = fwd.drafted.tokens.shape[1] > 0  # (no draft slots: the paused step, ScheduledBatch.draft)
         static = dict(spec=self.spec if draft else self.paused_spec, ctx_len=fwd.ctx_len, attention=self.attention,
                       sampling=fwd.sampling, **({"top_logprobs": True} if fwd.top else {}), **self._layout_static)
         key = ("spec_accept", fwd.B, fwd.drafted.probs is not None, fwd.ctx_len, fwd.sampling, draft, fwd.top,
@@ -728,7 +732,7 @@ class ModelRunner:
             _, logits, hidden = self._compile_decode_program(*verify).out_info
             for s, d in drafted.items():
                 for top in tops:
-                    fwd = ForwardedStep(None, B, inputs, logits, s, top, None, ctx, d, hidden)
+                    fwd = ForwardedStep(None, B, inputs, logits, s, top, None, ctx_len=ctx, drafted=d, hidden=hidden)
                     allowed = np.zeros((B, d.tokens.shape[1] + 1, mask_words), np.int32)
                     self._compile_decode_program(*self._spec_accept_program(fwd, allowed))
             return {"program": "spec_split", "batch": B, "ctx_len": ctx, "draft": draft}
@@ -834,7 +838,8 @@ class ModelRunner:
                 for _ in range(2 if self.alternate_executables else 1):
                     self.state, drafted = self._call_decode(*self._spec_draft_program(inputs, host, ctx_len, s, draft))
                     self.state, logits, hidden = self._call_decode(*self._spec_verify_program(inputs, drafted, ctx_len))
-                    fwd = ForwardedStep(None, B, inputs, logits, s, top, None, ctx_len, drafted, hidden)
+                    fwd = ForwardedStep(None, B, inputs, logits, s, top, None, ctx_len=ctx_len, drafted=drafted,
+                                        hidden=hidden)
                     allowed = np.full((B, drafted.tokens.shape[1] + 1, mask_words), -1, np.int32)
                     self.state, _ = self._call_decode(*self._spec_accept_program(fwd, allowed))
 
@@ -867,7 +872,7 @@ class ModelRunner:
         # the one that returns top logprobs unless the warm-up was asked for it.
         scoring, top = inp.targets is not None, inp.top_logprobs
         # A prefill with allowed tokens (structured output) is a program of its own, compiled on first use.
-        constrained = getattr(inp, "allowed", None) is not None
+        constrained = inp.allowed is not None
         compiled = self._prefill_executables.get(self._prefill_key(R, T, ctx_len, scoring, top, constrained))
         self.state, out = compiled(*args) if compiled is not None else step(*args, **static)
         return out

@@ -62,8 +62,9 @@ class SamplingParams:
     # The output follows a JSON schema, a regex, a choice of strings or a grammar
     # (structured.py): a StructuredOutput, or a dict of its fields such as
     # {"json_schema": {...}} or {"regex": "..."}. Such a request needs a tokenizer; its
-    # decode steps sample in a program of their own (steps.decode_sample_step), after the
-    # host has made the masks, and it stops when its grammar is complete.
+    # decode steps sample in a program of their own (steps.decode_sample_step; with a
+    # drafter, speculative.step.spec_accept_step), after the host has made the masks, and it
+    # stops when its grammar is complete.
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self):

@@ -547,7 +547,8 @@ class Scheduler:
 
     def _check_stop(self, req: Request) -> str | None:
         if req.matcher is not None and (req.matcher.is_error() or req.grammar_failed_at == len(req.output_ids)):
-            # Its structured output failed while the token's mask was made (a parser limit):
+            # Its structured output failed while the token's mask was made (a parser limit; with
+            # a drafter, maybe on the walk's copy of the matcher, Request.grammar_failed_at):
             # the mask allowed EOS only, which must not read as a completed output.
             return "abort"
         if req.output_ids[-1] in req.stop_ids:

@@ -237,7 +237,8 @@ class Grammars:
                 logger.warning("structured output of row %d failed: %s", i, m.get_error())
         return mask
 
-    def window_bitmask(self, rows, num_rows: int, drafts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def window_bitmask(self, rows, num_rows: int, drafts: np.ndarray,
+                       counts: np.ndarray) -> tuple[np.ndarray, dict[int, int]]:
         """The allowed tokens of each position of a speculative step's windows ([num_rows,
         k + 1, words] int32): position j of row i may take what its grammar allows after the
         row's first j drafts (`drafts` [num_rows, k], `counts` [num_rows] real drafts per row).
@@ -247,27 +248,27 @@ class Grammars:
         moves (llguidance cannot roll back every grammar, `stop=` and `max_tokens=` lexemes
         among them, and its errors are final). Past that draft the mask is never read: the
         draft is refused at its position, so the window's tokens end there. Those positions,
-        rows without a constraint and padding keep every bit set. A grammar that fails while
-        a mask is made (a parser limit: the mask then allows EOS only) sets its request's
-        `grammar_failed_at`, so that the token made under that mask ends it with "abort"."""
+        rows without a constraint and padding keep every bit set.
+
+        Also returns {row: window position} of the rows whose grammar failed while a mask was
+        made (a parser limit: that mask allows EOS only, and the token drawn under it must
+        end the request with "abort", Request.grammar_failed_at)."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
         W = drafts.shape[1] + 1
         mask = np.full((num_rows, W, self.words), -1, np.int32)
         flat = mask.reshape(num_rows * W, self.words)  # [rows, W, words] -> [rows * W, words], a view
+        failed: dict[int, int] = {}
         # (row, the matcher whose state is that of the row's position j), for rows still walking
         walking = [(i, row.req.matcher) for i, row in enumerate(rows) if row.req.matcher is not None
                    and not (row.req.matcher.is_stopped() or row.req.matcher.is_error())]
-        for i, _ in walking:
-            rows[i].req.grammar_failed_at = None
         for j in range(W):
             if not walking:
                 break
             fill_next_token_bitmask_par(self.executor, [(m, i * W + j) for i, m in walking], flat)
             for i, m in walking:
                 if m.is_error():
-                    req = rows[i].req
-                    req.grammar_failed_at = len(req.output_ids) + j + 1
+                    failed[i] = j
                     logger.warning("structured output of row %d failed at window position %d: %s", i, j,
                                    m.get_error())
             if j == W - 1:
@@ -279,16 +280,28 @@ class Grammars:
                     continue  # no draft here, or the grammar refuses it: the window ends at j
                 if j == 0:
                     m = m.deep_copy()  # the request's matcher stays where the request is
+                # A draft that completes the grammar stops the walk: the request ends at that
+                # token (Engine._check_token), so the positions after it are never read.
                 if m.consume_token(token) and not (m.is_stopped() or m.is_error()):
-                    going.append((i, m))  # (a draft that completes the grammar ends the request)
+                    going.append((i, m))
             walking = going
-        return mask
+        return mask, failed
 
     @functools.cached_property
     def executor(self):
         from llguidance import LLExecutor
 
         return LLExecutor()
+
+
+def mark_failures(rows, failed: dict[int, int]) -> None:
+    """Set each constrained row's Request.grammar_failed_at from `Grammars.window_bitmask`'s
+    failures ({row: window position}; None for the others): the step's tokens are the next
+    its request sees, so the token drawn at that position is output number len + j + 1."""
+    for i, row in enumerate(rows):
+        req = row.req
+        if req.matcher is not None:
+            req.grammar_failed_at = len(req.output_ids) + failed[i] + 1 if i in failed else None
 
 
 def advance(req) -> str | None:

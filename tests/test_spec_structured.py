@@ -149,8 +149,8 @@ def test_window_masks_follow_the_drafts():
     counts = np.array([len(good), k, k, 0])
     matchers = [grammars.matcher(spec), grammars.matcher(spec), None]
     before = [grammars.bitmask([_row(m)], 1)[0] for m in matchers[:2]]
-    mask = grammars.window_bitmask([_row(m) for m in matchers], 4, drafts, counts)
-    assert mask.shape == (4, k + 1, grammars.words)
+    mask, failed = grammars.window_bitmask([_row(m) for m in matchers], 4, drafts, counts)
+    assert mask.shape == (4, k + 1, grammars.words) and failed == {}
 
     def expected(tokens):
         m = grammars.matcher(spec)
@@ -173,7 +173,7 @@ def test_window_masks_follow_the_drafts():
     yes = tokenizer.encode("yes")
     choice = grammars.matcher(StructuredOutput(choice=("yes", "no")))
     window = np.array([yes + [bad, bad]], np.int32)
-    mask = grammars.window_bitmask([_row(choice)], 1, window, np.array([window.shape[1]]))
+    mask, _ = grammars.window_bitmask([_row(choice)], 1, window, np.array([window.shape[1]]))
     for j in range(len(yes)):
         assert yes[j] in _bits(mask[0, j]) and bad not in _bits(mask[0, j])
     assert (mask[0, len(yes):] == -1).all()
@@ -226,7 +226,7 @@ def test_a_grammar_that_fails_inside_the_window_ends_with_abort(monkeypatch):
 
     from jaxoverlap.models.loader import default_model_path
     from jaxoverlap.models.tokenizer import Tokenizer
-    from jaxoverlap.structured import Grammars, StructuredOutput
+    from jaxoverlap.structured import Grammars, StructuredOutput, mark_failures
 
     tokenizer = Tokenizer.from_path(default_model_path())
     eos = 1
@@ -236,20 +236,22 @@ def test_a_grammar_that_fails_inside_the_window_ends_with_abort(monkeypatch):
     ids = tokenizer.encode("one two three " * 4)
     for start in range(len(ids) - 3):  # the first window whose walk fails past its first position
         matcher = grammars.matcher(spec)
-        assert matcher.consume_tokens(ids[:start]) if start else True
+        if start:
+            assert matcher.consume_tokens(ids[:start])
         req = SimpleNamespace(matcher=matcher, output_ids=list(ids[:start]), grammar_failed_at=None, stop_ids={eos})
-        mask = grammars.window_bitmask([SimpleNamespace(req=req)], 1, np.array([ids[start : start + 3]], np.int32),
-                                       np.array([3]))
-        if req.grammar_failed_at is not None:
+        rows = [SimpleNamespace(req=req)]
+        mask, failed = grammars.window_bitmask(rows, 1, np.array([ids[start : start + 3]], np.int32), np.array([3]))
+        if failed:
             break
     else:
         pytest.fail("no window's walk hit the parser limit: the checks below cannot fail")
-    j = req.grammar_failed_at - start - 1  # the window position whose mask failed
+    j = failed[0]  # the window position whose mask failed
     assert j > 0 and not matcher.is_error()  # the request's own matcher is fine
     assert _bits(mask[0, j]) == {eos}
-    req.output_ids = list(ids[: start + j]) + [eos]  # the window's tokens up to the failed position
+    mark_failures(rows, failed)
+    req.output_ids += ids[start : start + j] + [eos]  # the window's tokens up to the failed position
     with _engine() as llm:
         check = llm.engine.scheduler._check_stop
         assert check(req) == "abort"
-        req.grammar_failed_at = None
-        assert check(req) == "stop"  # (what the EOS would have read as)
+        mark_failures(rows, {})  # (the next step's walk found no failure)
+        assert req.grammar_failed_at is None and check(req) == "stop"  # what the EOS reads as otherwise

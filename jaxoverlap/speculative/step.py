@@ -3,7 +3,8 @@
 Each is one program over (target params, drafter params, donated device state, small int
 arrays), like steps.py: nothing inside waits for the host, with or without overlap. The
 host hands a decode step entry ids and new reservations (and, for the host n-gram drafter
-only, the drafts); padded rows use entry 0 and write nothing, so its relay length stays 0
+only, the drafts; for a batch with structured output, the accept program's masks);
+padded rows use entry 0 and write nothing, so its relay length stays 0
 (jaxoverlap/scatter.py).
 
 Relay writes follow the article's order (section 4.1): the new lengths right after the
@@ -263,7 +264,7 @@ def _accept_extend(params, dparams, state: DeviceState, inputs: DecodeInputs, dr
         V = logits.shape[-1]
         ok = allowed_mask(allowed.reshape(B * W, -1), V).reshape(B, W, V)  # [B * W, V] -> [B, W, V]
         rule_logits = jnp.where(ok, logits if rule_logits is None else rule_logits, -jnp.inf)
-    probs = drafted.probs
+    probs = drafted.probs  # the fused step's callable, the accept program's array (accept wants a callable)
     draft_probs = probs if probs is None or callable(probs) else (lambda: probs)
     out_tokens, accept_len, logprobs = accept(logits, drafts, drafted.counts, draft_probs, sp, lens,
                                               sampling=sampling, backend=spec.accept_backend, rule_logits=rule_logits)

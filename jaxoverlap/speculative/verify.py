@@ -112,8 +112,9 @@ def accept(
     drafts [B, k]; num_draft [B]: real drafts per row (the rest are never accepted);
     draft_probs: a callable () -> q [B, k, V] for sampled drafts, or None when the drafts
     are deterministic (one-hot q); lens [B]: L, the position of each window's first token;
-    rule_logits [B, W, V]: where penalties apply (penalties.apply_window), the logits the
-    tokens are chosen from, instead of `logits`.
+    rule_logits [B, W, V]: where penalties (penalties.apply_window) or allowed tokens
+    (structured output: -inf outside each position's mask) apply, the logits the tokens are
+    chosen from, instead of `logits`.
     Returns (tokens [B, W] int32: accepted drafts then the bonus, then -1;
     accept_len [B] int32 = accepted drafts + 1; logprobs [B, W] float32 of the tokens under
     the unfiltered target distribution).
