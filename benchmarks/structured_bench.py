@@ -68,26 +68,25 @@ def time_calls(engine) -> dict:
 
     calls: dict = {}
 
-    def timed(name_of, fn):
+    def timed(name_of, fn):  # name_of(*args, **kwargs): the part a call times, or None (not timed)
         def call(*a, **k):
-            t = time.perf_counter()
+            name, t = name_of(*a, **k), time.perf_counter()
             out = fn(*a, **k)
-            calls.setdefault(name_of(*a), []).append(time.perf_counter() - t)
+            if name is not None:
+                calls.setdefault(name, []).append(time.perf_counter() - t)
             return out
-        call.__wrapped__ = fn
         return call
 
     r = engine.runner
     # Program keys start with the program's name (forward, sample, spec_draft, ...), a decode step's with its batch.
     r._call_decode = timed(lambda key, *_: f"{key[0] if isinstance(key[0], str) else 'decode'}_call", r._call_decode)
     g = engine.grammars
-    bitmask = timed(lambda *_: "masks", g.bitmask)
-    # A decode step's masks (always=True), not a prefill's (that one the launch of a prefill makes).
-    g.bitmask = lambda *a, **k: bitmask(*a, **k) if k.get("always") else bitmask.__wrapped__(*a, **k)
+    # A decode step's masks (always=True), not a prefill's.
+    g.bitmask = timed(lambda *_, always=False, **__: "masks" if always else None, g.bitmask)
     g.window_bitmask = timed(lambda *_: "masks", g.window_bitmask)
     # The engine's call waits; launch_sample's own call then finds the drafts on the host: not timed.
-    wait = timed(lambda *_: "wait_drafts", runner_module.ForwardedStep.wait_drafts)
-    runner_module.ForwardedStep.wait_drafts = lambda fwd: wait(fwd) if fwd.drafts_on_host is None else None
+    runner_module.ForwardedStep.wait_drafts = timed(lambda fwd: "wait_drafts" if fwd.drafts_on_host is None else None,
+                                                    runner_module.ForwardedStep.wait_drafts)
     return calls
 
 

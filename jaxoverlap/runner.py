@@ -412,7 +412,7 @@ class ModelRunner:
                                                                           batch.draft))
         ngram_drafts = None
         if host_drafts is not None:  # the host made them: nothing to wait for
-            ngram_drafts = (host_drafts.tokens, np.where(np.arange(B) < batch.size, host_drafts.counts, 0))
+            ngram_drafts = (host_drafts.tokens, host_drafts.counts)
         elif self.start_host_copy:
             drafted.packed.copy_to_host_async()
         self.state, logits, hidden = self._call_decode(*self._spec_verify_program(inputs, drafted, ctx_len))

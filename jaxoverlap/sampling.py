@@ -36,10 +36,15 @@ def _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions)
 
 
 def allowed_mask(allowed: jax.Array, vocab: int) -> jax.Array:
-    """[B, W] int32 bitmask (bit t % 32 of word t // 32: token t allowed) -> [B, vocab] bool."""
+    """[..., W] int32 bitmask (bit t % 32 of word t // 32: token t allowed) -> [..., vocab] bool."""
     ids = jnp.arange(vocab, dtype=jnp.int32)
-    words = jnp.take(allowed, ids // 32, axis=1)  # [B, vocab]: each token's word
+    words = jnp.take(allowed, ids // 32, axis=-1)  # [..., vocab]: each token's word
     return ((words >> (ids % 32)) & 1) == 1
+
+
+def keep_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits [..., V] with -inf wherever the bitmask `allowed` [..., ceil(V / 32)] forbids the token."""
+    return jnp.where(allowed_mask(allowed, logits.shape[-1]), logits, -jnp.inf)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampling: bool = True, penalties=None,
@@ -64,7 +69,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampli
     """
     chosen_from = logits if penalties is None else apply_penalties(logits, positions, *penalties)
     if allowed is not None:
-        chosen_from = jnp.where(allowed_mask(allowed, logits.shape[-1]), chosen_from, -jnp.inf)
+        chosen_from = keep_allowed(chosen_from, allowed)
     tokens = jnp.argmax(chosen_from, axis=-1).astype(jnp.int32)
     if sampling:
         sampled = _sample_filtered(chosen_from, temperature, top_k, top_p, min_p, seeds, positions)

@@ -35,7 +35,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
 from jaxoverlap.penalties import PrefillPenaltyInputs
-from jaxoverlap.sampling import allowed_mask
+from jaxoverlap.sampling import keep_allowed
 from jaxoverlap.scatter import last_segments, set_rows
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
@@ -166,8 +166,7 @@ class Drafted:
     tokens: jax.Array  # [B, k] int32
     counts: jax.Array  # [B] int32 real drafts per row (the rest are never accepted)
     # [B, k, V] float32: the drafter's filtered distributions of sampled drafts (EAGLE and the
-    # draft model in sampling programs), None where the drafts are deterministic. Inside the
-    # fused step, a callable () -> q instead, called only in sampling programs.
+    # draft model in sampling programs), None where the drafts are deterministic.
     probs: jax.Array | None = None
     # [B, k + 1] int32: the drafts, then their count, in one array for the host (set by
     # `spec_draft_step` only).
@@ -182,7 +181,7 @@ class Drafted:
 def _draft(params, dparams, state: DeviceState, inputs: DecodeInputs, host_drafts: HostDrafts | None, *,
            cfg: ModelConfig, spec: SpecConfig, page_size: int, sampling: bool, **common):
     """Part 1 of a speculative step: the step's reservations, then the draft passes.
-    Returns (state, Drafted with `probs` a callable () -> q [B, k, V], or None)."""
+    Returns (state, Drafted without `packed`)."""
     entries = inputs.entries  # [B] int32, padded rows on entry 0
     req_to_token = apply_reservations(state.req_to_token, inputs.reservations, page_size)
     relay = state.relay
@@ -218,7 +217,8 @@ def _draft(params, dparams, state: DeviceState, inputs: DecodeInputs, host_draft
     else:  # host n-gram
         drafts, counts = host_drafts.tokens, jnp.where(real, host_drafts.counts, 0)
     state = dataclasses.replace(state, req_to_token=req_to_token, draft_k_cache=dk, draft_v_cache=dv)
-    return state, Drafted(drafts, counts, draft_probs)
+    probs = draft_probs() if sampling and draft_probs is not None else None  # only sampling programs use q
+    return state, Drafted(drafts, counts, probs)
 
 
 def _verify(params, state: DeviceState, inputs: DecodeInputs, drafts: jax.Array, *, cfg: ModelConfig, **common):
@@ -261,12 +261,8 @@ def _accept_extend(params, dparams, state: DeviceState, inputs: DecodeInputs, dr
     # rejected like any other miss.
     rule_logits = None if rule_rows is None else penalties.apply_window(logits, lens, drafts, *rule_rows)
     if allowed is not None:
-        V = logits.shape[-1]
-        ok = allowed_mask(allowed.reshape(B * W, -1), V).reshape(B, W, V)  # [B * W, V] -> [B, W, V]
-        rule_logits = jnp.where(ok, logits if rule_logits is None else rule_logits, -jnp.inf)
-    probs = drafted.probs  # the fused step's callable, the accept program's array (accept wants a callable)
-    draft_probs = probs if probs is None or callable(probs) else (lambda: probs)
-    out_tokens, accept_len, logprobs = accept(logits, drafts, drafted.counts, draft_probs, sp, lens,
+        rule_logits = keep_allowed(logits if rule_logits is None else rule_logits, allowed)
+    out_tokens, accept_len, logprobs = accept(logits, drafts, drafted.counts, drafted.probs, sp, lens,
                                               sampling=sampling, backend=spec.accept_backend, rule_logits=rule_logits)
     if rule_rows is not None:
         penalty = penalties.record_drafts(penalty, entries, drafts, accept_len)
@@ -349,9 +345,8 @@ def spec_draft_step(params: ModelParams, dparams, state: DeviceState, inputs: De
     """A speculative step's draft passes: (state, Drafted) for `spec_verify_step`."""
     state, drafted = _draft(params, dparams, state, inputs, host_drafts, cfg=cfg, spec=spec, page_size=page_size,
                             sampling=sampling, ctx_len=ctx_len, attention=attention)
-    probs = drafted.probs() if sampling and drafted.probs is not None else None
     packed = jnp.concatenate([drafted.tokens, drafted.counts[:, None]], axis=1)  # [B, k + 1]
-    return keep_layout(state, state_sharding), dataclasses.replace(drafted, probs=probs, packed=packed)
+    return keep_layout(state, state_sharding), dataclasses.replace(drafted, packed=packed)
 
 
 @functools.partial(

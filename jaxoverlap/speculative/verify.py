@@ -110,8 +110,8 @@ def accept(
 
     logits [B, W, V]: the target's logits at the window positions L .. L + k;
     drafts [B, k]; num_draft [B]: real drafts per row (the rest are never accepted);
-    draft_probs: a callable () -> q [B, k, V] for sampled drafts, or None when the drafts
-    are deterministic (one-hot q); lens [B]: L, the position of each window's first token;
+    draft_probs: q [B, k, V] for sampled drafts, or None when the drafts are deterministic
+    (one-hot q) or the program samples nothing; lens [B]: L, the position of each window's first token;
     rule_logits [B, W, V]: where penalties (penalties.apply_window) or allowed tokens
     (structured output: -inf outside each position's mask) apply, the logits the tokens are
     chosen from, instead of `logits`.
@@ -128,7 +128,7 @@ def accept(
     tokens, accept_len = acceptance.greedy_accept(drafts, target_argmax, num_draft, backend=backend)
     if sampling:
         p = filtered_probs(choose.reshape(B * W, V), sp.repeat(W)).reshape(B, W, V)  # [B*W, V] -> [B, W, V]
-        q = draft_probs() if draft_probs is not None else jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # [B, k, V]
+        q = draft_probs if draft_probs is not None else jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # [B, k, V]
         draft_pos = lens[:, None] + 1 + jnp.arange(k)  # [B, k]: draft j+1 sits at L + j + 1
         u_keys = row_keys(jnp.repeat(sp.seed, k), draft_pos.reshape(B * k), TAG_ACCEPT)  # [B*k]
         u = jax.vmap(lambda key: jax.random.uniform(key))(u_keys).reshape(B, k)  # [B*k] -> [B, k]
