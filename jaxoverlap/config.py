@@ -98,6 +98,11 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_context_len is not None and (isinstance(self.max_context_len, bool) or not isinstance(
+                self.max_context_len, int) or self.max_context_len < 2):
+            # 0 would quietly mean the default; a float fails deep inside JAX.
+            raise ValueError(f"max_context_len must be an integer >= 2 (prompt + output tokens) or None, "
+                             f"got {self.max_context_len!r}")
         if self.reserve_slack_tokens is not None and self.reserve_slack_tokens < 0:
             raise ValueError(f"reserve_slack_tokens must be >= 0, got {self.reserve_slack_tokens}")
         if self.layers_per_weight_stack is not None and self.layers_per_weight_stack < 1:

@@ -193,6 +193,12 @@ def compilation_cache_dir(option: str | None) -> str | None:
     return os.path.join(root, "jaxoverlap", "jax_compilation_cache")
 
 
+def _ended_by_token(req: Request) -> bool:
+    """Whether a stop token (EOS or one of stop_token_ids) ended this request: Scheduler._check_stop
+    tests them before stop strings and grammars, so a "stop" on one is always that."""
+    return req.finish_reason == "stop" and bool(req.output_ids) and req.output_ids[-1] in req.stop_ids
+
+
 def _cut_at_stop_string(req: Request) -> bool:
     """Cut the request's unsent text before the first of its stop strings in it; whether one was."""
     hits = [i for s in req.params.stop if (i := req.pending_text.find(s)) >= 0]
@@ -292,6 +298,10 @@ class Engine:
         mc, ps = self.model_config, config.page_size
         self.serves_penalties = config.enable_penalties
         self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096)
+        if self.max_context_len > mc.max_position_embeddings:
+            logger.warning("max_context_len=%d is past the model's max_position_embeddings=%d: positions beyond "
+                           "it are outside what the model was trained on", self.max_context_len,
+                           mc.max_position_embeddings)
         table_width = -(-self.max_context_len // ps) * ps
         layout = {}
         if self.mesh is not None:
@@ -702,10 +712,13 @@ class Engine:
         outputs = []
         for req in reqs:
             params, n_ids, finished = req.params, len(req.output_ids), req.finished
-            if finished and req.detok is not None and req.finish_reason != "stop":
+            if finished and req.detok is not None and (req.finish_reason != "stop" or _ended_by_token(req)):
+                # The text of every output token but a stop token's, as decode() gives it: what
+                # the decoder held back (a cut character, and complete ones in front of it in
+                # the same token) comes out at the end. Not after a stop string: the text ends
+                # there. (A completed grammar was flushed in _check_token.)
                 req.pending_text += req.detok.flush()
-                # What the decoder held back (complete characters in front of a cut one) never
-                # met the stop check: a stop string in it still ends the text.
+                # That held-back text never met the stop check: a stop string in it still ends the text.
                 if _cut_at_stop_string(req) and req.finish_reason == "length":
                     req.finish_reason = "stop"
             new_ids = req.output_ids[req.num_emitted:]

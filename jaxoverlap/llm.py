@@ -12,9 +12,12 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import numbers
 import signal
 import threading
 from typing import Iterator, Sequence
+
+import numpy as np
 
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.engine import Engine
@@ -62,6 +65,16 @@ def _sigint_after_step():
                 raise KeyboardInterrupt
 
 
+def _one_prompt(prompts) -> bool:
+    """Whether `prompts` is one prompt (a text, or token ids as a list or a 1-D array of
+    integers, numpy's included) rather than a list of prompts."""
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, np.ndarray):
+        return prompts.ndim == 1
+    return len(prompts) > 0 and isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool)
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_options):
         self.engine = Engine(EngineConfig.from_options(model, **engine_options))
@@ -95,7 +108,7 @@ class LLM:
         prompt rejects the whole call and leaves the engine untouched. Text prompts are
         tokenized in one batch call. A prompt with SamplingParams.n > 1 becomes n requests
         (request ids `llm-N-0` .. `llm-N-{n-1}`), which share its prefill through the prefix cache."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if _one_prompt(prompts):
             prompts = [prompts]  # one prompt, as text or as token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)

@@ -70,12 +70,14 @@ class JaxOverlapLM(_LMBase):
         own encoding ends, so that the continuation's tokens are those of the whole text."""
         if not context:
             return [self.llm.prefix_token_id], self.tokenizer.encode(continuation, add_special_tokens=False)
-        spaces = len(context) - len(context.rstrip(" "))
+        # Every trailing whitespace character, as lm-eval's str.rstrip(): a context that ends
+        # in "\n" or "\t" gives its newline to the continuation too.
+        spaces = len(context) - len(context.rstrip())
         if spaces:  # "Question: ... Answer: " + "B" -> "... Answer:" + " B"
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole = self.tokenizer.encode(context + continuation)
         ctx = self.tokenizer.encode(context)
-        # A context of spaces only has gone to the continuation: condition it on the prefix
+        # A context of whitespace only has gone to the continuation: condition it on the prefix
         # token, as an empty context is.
         return ctx or [self.llm.prefix_token_id], whole[len(ctx):]
 

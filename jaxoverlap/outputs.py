@@ -91,17 +91,23 @@ class OutputText:
     The engine decodes each new token on its thread (Engine._check_stop_strings); a consumer
     on another thread (the gRPC server's handler) can take that work off it. Same rules: one
     token at a time, a stop token's text left out, and the held-back tail of an incomplete
-    character flushed at the end unless the request stopped.
+    character flushed at the end.
+
+    `ending_ids`: the ids that end the request (`params.ending_token_ids(engine.eos_token_ids)`).
+    Without them, a "stop" finish is taken to end on such a token, which holds for every
+    request but one with structured output: its grammar may complete on a token of text.
     """
 
-    def __init__(self, tokenizer, prompt_ids):
+    def __init__(self, tokenizer, prompt_ids, ending_ids=None):
         self._decoder = tokenizer.incremental_decoder(prompt_ids)
+        self._ending_ids = None if ending_ids is None else frozenset(ending_ids)
 
     def delta(self, out: RequestOutput) -> str:
         ids = out.new_token_ids
-        if out.finished and out.finish_reason == "stop" and ids:
+        if out.finished and out.finish_reason == "stop" and ids and (
+                self._ending_ids is None or ids[-1] in self._ending_ids):
             ids = ids[:-1]  # the stop (or EOS) token: the engine never decodes it
         text = "".join([self._decoder.step(t) for t in ids])
-        if out.finished and out.finish_reason != "stop":
+        if out.finished:
             text += self._decoder.flush()
         return text

@@ -72,7 +72,12 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
-        stop_ids = tuple(_token_id(t, "stop_token_ids") for t in (self.stop_token_ids or ()))
+        stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+            # "12" would iterate as "1", "2"; a bare id is a mistake of the same kind.
+            raise InvalidRequestError(f"invalid sampling params: stop_token_ids must be a list of token ids, "
+                                      f"got {stop_ids!r}")
+        stop_ids = tuple(_token_id(t, "stop_token_ids") for t in stop_ids)
         object.__setattr__(self, "stop_token_ids", stop_ids)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)

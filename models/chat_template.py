@@ -7,7 +7,8 @@ Hugging Face checkpoints ship the template as Jinja source, in `tokenizer_config
 blocks trimmed and left-stripped, loop controls, a `raise_exception` global, a non-ASCII
 `tojson` filter, a `strftime_now` global, the special tokens as variables, and the
 `{% generation %}` tag (rendered as plain content; it only marks assistant spans for
-training masks). No transformers import: the engine needs only `jinja2`.
+training masks). The engine needs only `jinja2`; transformers is imported only to turn tools
+given as Python functions into JSON schemas.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import json
 import os
 
 from jaxoverlap.errors import InvalidRequestError
-from jaxoverlap.models.config import read_json
+from jaxoverlap.models.config import read_json_if_present
 
 # Special tokens of tokenizer_config.json that templates read as variables.
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -60,35 +61,37 @@ def _environment():
 
 
 class ChatTemplate:
-    """One compiled template plus the special-token variables it may read."""
+    """A checkpoint's templates (one, or several by name) plus the special-token variables
+    they may read. A plain template is the one named "default"; "tool_use", where a
+    checkpoint names one, renders conversations given tools, as transformers picks it."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+    def __init__(self, source: "str | dict[str, str]", special_tokens: dict[str, str] | None = None):
         import jinja2
 
-        self.source = source
+        self.templates = dict(source) if isinstance(source, dict) else {"default": source}
         self.special_tokens = dict(special_tokens or {})
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"the chat template does not compile: {e}") from e
+        self._compiled = {}
+        env = _environment()
+        for name, text in self.templates.items():
+            try:
+                self._compiled[name] = env.from_string(text)
+            except jinja2.TemplateError as e:
+                raise ValueError(f"the chat template {name!r} does not compile: {e}") from e
 
     def __getstate__(self):
         # A compiled template does not pickle; an EngineProcess sends the tokenizer, and so
         # this, to the server's process (grpc_server._engine_tokenizer).
-        return {"source": self.source, "special_tokens": self.special_tokens}
+        return {"templates": self.templates, "special_tokens": self.special_tokens}
 
     def __setstate__(self, state):
-        self.__init__(state["source"], state["special_tokens"])
+        self.__init__(state["templates"], state["special_tokens"])
 
     @classmethod
     def from_path(cls, model_path: str) -> "ChatTemplate | None":
         """The checkpoint's template, or None if it has none: `chat_template.jinja` first
-        (newer checkpoints), then tokenizer_config.json's "chat_template" (a list of named
-        templates: the one named "default")."""
-        config = {}
-        config_path = os.path.join(model_path, "tokenizer_config.json")
-        if os.path.exists(config_path):
-            config = read_json(config_path)
+        (newer checkpoints), then tokenizer_config.json's "chat_template" (a string, or a
+        list of named templates)."""
+        config = read_json_if_present(os.path.join(model_path, "tokenizer_config.json"))
         specials = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
         jinja_path = os.path.join(model_path, "chat_template.jinja")
         if os.path.exists(jinja_path):
@@ -96,29 +99,82 @@ class ChatTemplate:
                 return cls(f.read(), specials)
         source = config.get("chat_template")
         if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
-        return cls(source, specials) if isinstance(source, str) and source else None
+            source = {t["name"]: t["template"] for t in source
+                      if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+        return cls(source, specials) if source and isinstance(source, (str, dict)) else None
 
     def render(self, messages, /, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
         """The prompt text for `messages` (a list of {"role": ..., "content": ...}).
         `template_kwargs` reach the template as variables (e.g. Qwen3's `enable_thinking`,
-        `tools`). A malformed conversation, or one the template refuses, raises
-        InvalidRequestError."""
+        `tools`). As transformers does: keys set to None are dropped from each message, a
+        message's reasoning given as "thinking" or "reasoning" is also passed as
+        "reasoning_content", and tools given as Python functions become their JSON schemas.
+        A malformed conversation, or one the template refuses, raises InvalidRequestError."""
         check_messages(messages)
         reserved = sorted({"messages", "add_generation_prompt"} & set(template_kwargs))
         if reserved:
             raise InvalidRequestError(f"chat template variables may not set {', '.join(reserved)}: "
                                       "give the conversation and add_generation_prompt themselves")
+        tools = template_kwargs.get("tools")
+        template = self._pick(tools is not None)
+        if tools is not None:
+            template_kwargs["tools"] = _tool_schemas(tools)
         # transformers always passes tools and documents (None unless given): templates that
         # test `tools is defined` render as they do there.
         variables = dict(self.special_tokens, tools=None, documents=None)
         variables.update(template_kwargs)
-        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
+        variables.update(messages=[_normalized(m) for m in messages], add_generation_prompt=add_generation_prompt)
         try:
-            return self._template.render(variables)  # a dict, not keywords: a variable may be called "self"
+            return template.render(variables)  # a dict, not keywords: a variable may be called "self"
         except Exception as e:  # noqa: BLE001 - raise_exception(...), or messages the template cannot read
             raise InvalidRequestError(f"the chat template refused the messages: {type(e).__name__}: {e}") from e
+
+    def _pick(self, with_tools: bool):
+        if with_tools and "tool_use" in self._compiled:
+            return self._compiled["tool_use"]
+        if "default" in self._compiled:
+            return self._compiled["default"]
+        names = ", ".join(repr(n) for n in sorted(self.templates))
+        raise InvalidRequestError(f"this model's chat templates are named {names}: none is 'default'"
+                                  + ("; 'tool_use' renders conversations given tools" if "tool_use" in self.templates else ""))
+
+
+# The names a message's reasoning comes under; templates read the first.
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _normalized(message: dict) -> dict:
+    # OpenAI-style messages carry `"tool_calls": None` or `"content": None`; templates test
+    # for the key (`'tool_calls' in message`) and then fail on the None.
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING_KEYS if k in message), None)
+    if reasoning is not None:  # gpt-oss templates read "thinking"; the others "reasoning_content"
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+def _tool_schemas(tools) -> list:
+    """Tools as templates read them: JSON schemas (dicts) as given; Python functions
+    converted from their signature and docstring by transformers' `get_json_schema`."""
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidRequestError(f"tools must be a list of JSON schemas or functions, got {type(tools).__name__}")
+    schemas = []
+    for tool in tools:
+        if isinstance(tool, dict):
+            schemas.append(tool)
+        elif callable(tool):
+            try:
+                from transformers.utils import get_json_schema
+            except ImportError as e:
+                raise InvalidRequestError("tools given as Python functions need transformers installed "
+                                          "(it converts them to JSON schemas); or give their JSON schemas") from e
+            try:
+                schemas.append(get_json_schema(tool))
+            except Exception as e:  # noqa: BLE001 - transformers' own errors for missing hints or docstrings
+                raise InvalidRequestError(f"tool {getattr(tool, '__name__', tool)!r}: {e}") from e
+        else:
+            raise InvalidRequestError(f"a tool must be a JSON schema (dict) or a function, got {type(tool).__name__}")
+    return schemas
 
 
 def check_messages(messages) -> None:

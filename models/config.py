@@ -28,8 +28,15 @@ def read_json(path: str):
 
 
 def read_json_if_present(path: str) -> dict:
-    """read_json, or {} where the checkpoint has no such file."""
-    return read_json(path) if os.path.exists(path) else {}
+    """A checkpoint's JSON object (config-like files: generation_config.json,
+    tokenizer_config.json), or {} where the checkpoint has no such file; CheckpointError
+    naming it if it holds anything but an object."""
+    if not os.path.exists(path):
+        return {}
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def token_ids(value, where: str) -> tuple[int, ...]:
@@ -155,7 +162,7 @@ class ModelConfig:
             raise CheckpointError(f"{path}: {e}") from None
         gen_path = os.path.join(model_path, "generation_config.json")
         gen = read_json_if_present(gen_path)
-        gen_eos = token_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, f"{gen_path}: eos_token_id")
+        gen_eos = token_ids(gen.get("eos_token_id"), f"{gen_path}: eos_token_id")
         return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys((*gen_eos, *config.eos_token_ids))))
 
 

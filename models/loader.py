@@ -114,9 +114,13 @@ class SafetensorsReader:
         self._where: dict[str, str] = {}
         self._headers: dict[str, tuple[int, dict]] = {}
         for path in self.files:
-            with safe_open(path, framework="numpy") as f:
-                for name in f.keys():
-                    self._where[name] = path
+            try:
+                with safe_open(path, framework="numpy") as f:
+                    names = list(f.keys())
+            except Exception as e:  # noqa: BLE001 - safetensors' own SafetensorError, or an OSError
+                raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+            for name in names:
+                self._where[name] = path
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

@@ -17,7 +17,7 @@ import tokenizers
 
 from jaxoverlap.errors import InvalidRequestError
 from jaxoverlap.models.chat_template import ChatTemplate
-from jaxoverlap.models.config import read_json_if_present, token_ids
+from jaxoverlap.models.config import CheckpointError, read_json_if_present, token_ids
 
 try:  # newer tokenizers releases; the ones the engine uses take prompt ids and lists of ids
     from tokenizers.decoders import DecodeStream as _DecodeStream
@@ -76,7 +76,10 @@ class Tokenizer:
         path = os.path.join(model_path, "tokenizer.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no tokenizer.json in {model_path!r}")
-        tok = tokenizers.Tokenizer.from_file(path)
+        try:
+            tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise CheckpointError(f"{path} is not a tokenizer the tokenizers library reads: {e}") from None
         gen = read_json_if_present(os.path.join(model_path, "generation_config.json"))
         tcfg = read_json_if_present(os.path.join(model_path, "tokenizer_config.json"))
         mcfg = read_json_if_present(os.path.join(model_path, "config.json"))

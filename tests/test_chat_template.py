@@ -150,10 +150,48 @@ def test_found_where_checkpoints_keep_it(tmp_path):
     assert save(chat_template="A{{ bos_token }}{{ messages[0].content }}").render(message) == "A<|im_start|>hi"
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}]
     assert save(chat_template=named).render(message) == "D" + config["eos_token"]
+    assert save(chat_template=named).render(message, tools=TOOLS) == "T"  # given tools, as transformers picks
     (model / "chat_template.jinja").write_text("J{{ messages | length }}")
     assert save(chat_template="ignored").render(message) == "J1"  # the .jinja file comes first
     os.remove(model / "chat_template.jinja")
-    assert save(chat_template=[{"name": "tool_use", "template": "T"}]) is None
+    only_tools = save(chat_template=[{"name": "tool_use", "template": "T"}])
+    assert only_tools.render(message, tools=TOOLS) == "T"
+    with pytest.raises(InvalidRequestError, match="none is 'default'"):
+        only_tools.render(message)
+    assert save(chat_template=[]) is None
+
+
+# Every key of every message, and the tools, as the template sees them.
+SHOW_KEYS = ("{% for m in messages %}{{ m.role }}:{% for k, v in m | dictsort %}{{ k }}={{ v }};{% endfor %}|"
+             "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}")
+
+
+def get_weather(city: str, days: int = 1) -> str:
+    """Gets the weather.
+
+    Args:
+        city: The city to look up.
+        days: How many days ahead.
+    """
+    return city * days
+
+
+def test_messages_and_tools_are_normalized_as_in_transformers(base):
+    """OpenAI-style None fields are dropped (a Llama-3.1 template tests `'tool_calls' in
+    message`), older reasoning keys also reach the template as reasoning_content, and tools
+    given as Python functions become their JSON schemas."""
+    ours = Tokenizer(base.hf_tokenizer, chat_template=ChatTemplate(SHOW_KEYS, SPECIALS))
+    hf = _hf_tokenizer(base, SHOW_KEYS)
+    messages = [{"role": "user", "content": "hi", "name": None},
+                {"role": "assistant", "content": "ok", "tool_calls": None, "reasoning": "because"},
+                {"role": "assistant", "content": "x", "thinking": "hmm"}]
+    for tools in (None, TOOLS + [get_weather]):
+        got = ours.apply_chat_template(messages, tools=tools)
+        assert got == hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        assert "None" not in got and "reasoning_content=because" in got
+    assert '"description": "The city to look up."' in got
+    with pytest.raises(InvalidRequestError, match="JSON schema"):
+        ours.apply_chat_template(messages, tools=[3])
 
 
 def test_a_tokenizer_with_its_template_pickles(base):

@@ -30,6 +30,9 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
         (dict(top_k=True), "top_k"),
         # int() would have made these tokens 2 and 3: a different token than asked.
         (dict(stop_token_ids=[2.7]), "stop_token_ids must hold integer token ids"),
+        # A string would have iterated as its digits ("12" -> tokens 1 and 2).
+        (dict(stop_token_ids="12"), "stop_token_ids must be a list of token ids"),
+        (dict(stop_token_ids=12), "stop_token_ids must be a list of token ids"),
         (dict(logit_bias={3.9: 1.0}), "logit_bias must hold integer token ids"),
         (dict(logit_bias={"x": 1.0}), "logit_bias must hold integer token ids"),
     ],
@@ -37,6 +40,14 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 def test_impossible_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "64"])
+def test_impossible_max_context_len_is_refused(bad):
+    from jaxoverlap.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_context_len must be an integer >= 2"):
+        EngineConfig(max_context_len=bad)
 
 
 def test_bad_prompts_are_rejected_and_others_keep_running():

@@ -1,6 +1,8 @@
 """The public Python API on the embedded default model: generate, streaming, stop strings."""
+import dataclasses
 import itertools
 
+import numpy as np
 import pytest
 
 from jaxoverlap import LLM, SamplingParams
@@ -19,6 +21,13 @@ def test_generate_text_and_token_ids(llm):
     # Token-id prompts give the same result as the text they encode.
     [again] = llm.generate([llm.tokenizer.encode("Once upon a time")], SamplingParams(max_new_tokens=16, temperature=0.0))
     assert again.token_ids == res.token_ids
+    # One prompt as numpy ids (an array, or a list of numpy integers), and a 2-D array as prompts.
+    ids = np.array(llm.tokenizer.encode("Once upon a time"))
+    for prompt in (ids, list(ids)):
+        [one] = llm.generate(prompt, SamplingParams(max_new_tokens=16, temperature=0.0))
+        assert one.token_ids == res.token_ids
+    assert [r.token_ids for r in llm.generate(np.stack([ids, ids]), SamplingParams(max_new_tokens=16, temperature=0.0))] \
+        == [res.token_ids] * 2
 
 
 def test_stream_concatenates_to_the_final_text(llm):
@@ -156,6 +165,47 @@ def test_consumer_side_text_equals_the_engines(llm):
     reasons = {v[2] for v in engine_side.values()}
     assert {"stop", "length", "abort"} <= reasons, reasons
     engine.check_integrity()
+
+    # Structured output: a grammar completes on a token of text ("stop" with no stop token),
+    # which OutputText keeps when told the request's ending ids.
+    prompt = tok.encode("Say:")
+    for spec in ({"choice": ["héllo wörld"]}, {"regex": "[a-z]{3} [a-z]{4}"}):
+        sp = SamplingParams(max_new_tokens=16, temperature=0.0, structured_output=spec)
+        [want] = llm.generate([prompt], sp)
+        assert want.finish_reason == "stop" and want.token_ids[-1] not in engine.eos_token_ids
+        text = OutputText(tok, prompt, sp.ending_token_ids(engine.eos_token_ids))
+        made = "".join(text.delta(out) for out in llm.generate_stream([prompt], dataclasses.replace(sp, detokenize=False)))
+        assert made == want.text
+
+
+def test_text_held_back_before_a_stop_token_comes_out(llm):
+    """A token that ends inside a multi-byte character holds its text back until the next
+    token. When that token is a stop token, the held-back text still comes out at the end:
+    the text is decode() of the output without its stop token, in the final result, the
+    stream, and OutputText's."""
+    from jaxoverlap.outputs import OutputText
+
+    tok = llm.tokenizer
+    prompt = tok.encode("Once upon a time")
+    found = None
+    for seed in range(40):  # near-uniform sampling over the 1024 ids, 256 of them bytes
+        [res] = llm.generate([prompt], SamplingParams(max_new_tokens=48, temperature=4.0, seed=seed, ignore_eos=True))
+        ids = res.token_ids
+        cut = [i for i in range(len(ids) - 1)
+               if tok.decode(ids[: i + 1]).endswith("\ufffd") and ids[i + 1] not in ids[: i + 1]]
+        if cut:
+            found = seed, ids[: cut[0] + 2]
+            break
+    assert found, "no sampled output ends a token inside a character"
+    seed, ids = found
+    sp = SamplingParams(max_new_tokens=48, temperature=4.0, seed=seed, ignore_eos=True, stop_token_ids=[ids[-1]])
+    [res] = llm.generate([prompt], sp)
+    assert res.token_ids == ids and res.finish_reason == "stop"
+    assert res.text == tok.decode(ids[:-1]) and res.text.endswith("\ufffd")
+    assert "".join(d.new_text for d in llm.generate_stream([prompt], sp)) == res.text
+    text = OutputText(tok, prompt)
+    assert "".join(text.delta(d) for d in llm.generate_stream([prompt], dataclasses.replace(sp, detokenize=False))) \
+        == res.text
 
 
 def test_stop_strings_need_the_engines_text():

@@ -34,6 +34,15 @@ def test_loglikelihood_splits_pairs_as_lm_eval(lm):
     assert got[0] == got[1] == pytest.approx(want[0], abs=1e-5)
     assert got[2] == pytest.approx(want[1], abs=1e-5)
     assert all(lp < 0 for lp, _ in got)
+    # Any trailing whitespace moves, as lm-eval's context.rstrip(): newlines and tabs too.
+    for context, continuation in [("Once upon a time\n", "There was a dog"), ("The end.\n\n", "Once upon"),
+                                  ("Tab\t", "x"), ("Mixed \t\n ", "y")]:
+        stripped = context.rstrip()
+        ctx = tok.encode(stripped)
+        cont = tok.encode(context + continuation)[len(ctx):]
+        [(lp, _)] = lm.loglikelihood([Request((context, continuation))], disable_tqdm=True)
+        [(want_lp, _)] = lm.llm.loglikelihood([(ctx, cont)])
+        assert lp == pytest.approx(want_lp, abs=1e-5), (context, continuation)
     # A context of spaces only: its spaces join the continuation, conditioned on the prefix token.
     [(lp, _)] = lm.loglikelihood([Request(("  ", "Hello"))], disable_tqdm=True)
     [(want_lp, _)] = lm.llm.loglikelihood([([lm.llm.prefix_token_id], tok.encode("  Hello"))])

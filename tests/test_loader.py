@@ -223,6 +223,29 @@ def test_malformed_checkpoint_files_are_named(tmp_path):
     (tok / "tokenizer_config.json").write_text("")
     with pytest.raises(CheckpointError, match=r"tokenizer_config\.json is not valid JSON"):
         Tokenizer.from_path(str(tok))
+    # Files the libraries cannot read, or JSON of the wrong kind: named, as CheckpointErrors
+    # (ValueErrors, which the CLI prints in one line), not the libraries' own exceptions.
+    (tok / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json must hold a JSON object, got list"):
+        Tokenizer.from_path(str(tok))
+    gen = copy("gen")
+    (gen / "generation_config.json").write_text("[1]")
+    for read in (ModelConfig.from_path, Tokenizer.from_path):
+        with pytest.raises(CheckpointError, match=r"generation_config\.json must hold a JSON object"):
+            read(str(gen))
+    tok_json = copy("tok_json")
+    (tok_json / "tokenizer.json").write_text('{"version": 1}')
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json is not a tokenizer"):
+        Tokenizer.from_path(str(tok_json))
+    truncated = copy("truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
+        loader.SafetensorsReader(loader.safetensors_files(str(truncated)))
+    from jaxoverlap.cli import main
+    with pytest.raises(SystemExit, match=r"error: .*model\.safetensors is not a readable") as e:
+        main(["generate", "hi", "--model", str(truncated)])
+    assert "\n" not in str(e.value.code)
 
 
 def test_configs_that_change_the_math_are_refused_at_load():
