@@ -24,6 +24,7 @@ and the sampling part the acceptance, with a mask per window position built from
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import gc
@@ -61,6 +62,9 @@ logger = logging.getLogger(__name__)
 # 0.12-0.23 ms at batch 1-64 with the same device step (one process), and the cold compile
 # of the seven batch buckets goes from 21 to 43 s (one call), under the 60 s target.
 GPU_LAYERS_PER_WEIGHT_STACK = 4
+# How long an engine with nothing to run but requests whose grammar compiles waits for one
+# compile at a time, instead of spinning through empty steps; its loop takes commands between.
+HELD_POLL_S = 0.005
 
 
 @dataclasses.dataclass
@@ -431,7 +435,7 @@ class Engine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Queue a request. Bad input raises a ValueError subclass and changes nothing."""
         params = params or SamplingParams()
-        prompt_ids = self.check_request(prompt, params)
+        prompt_ids = self.check_request(prompt, params, compile_grammar=False)
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: the engine serves one sequence per request; queue each of "
                                       "params.samples() as a request of its own (as LLM.generate does)")
@@ -440,28 +444,66 @@ class Engine:
         old = self.requests.get(request_id)
         if old is not None and not old.finished:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are queued (max_queued_requests)")
+        if self.scheduler.num_queued >= self.config.max_queued_requests:
+            raise QueueFullError(f"{self.scheduler.num_queued} requests are queued (max_queued_requests)")
+        compiled = None
+        if params.structured_output is not None:
+            # Compiled on the grammars' threads, not here: a large schema takes llguidance a few
+            # hundred milliseconds, which would hold every running request's next step. The
+            # request waits in Scheduler.held until its grammar is ready (_admit_compiled).
+            compiled = self.grammars.compile(params.structured_output)
+            if compiled.done() and compiled.exception() is not None:
+                raise InvalidRequestError(str(compiled.exception()))  # a spec already refused
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         req = Request(request_id, prompt_ids, params, seed)
         if self.tokenizer is not None and params.detokenize:
             req.detok = self.tokenizer.incremental_decoder(prompt_ids)
-        if params.structured_output is not None:
-            req.matcher = self.grammars.matcher(params.structured_output)
-            self._constrained += 1
-            self.runner.grammars = self.grammars  # steps now look for constrained rows
         self.requests[request_id] = req
+        if compiled is not None and not compiled.done():
+            req.grammar_future = compiled
+            self.scheduler.add(req, held=True)
+            return
+        if compiled is not None:
+            self._constrain(req, compiled.result())
         self.scheduler.add(req)
 
-    def check_request(self, prompt, params: SamplingParams | None = None) -> list[int]:
+    def _constrain(self, req: Request, compiled) -> None:
+        """Give the request its matcher: a copy of its grammar's compiled start."""
+        req.matcher, req.grammar_future = compiled.deep_copy(), None
+        self._constrained += 1
+        self.runner.grammars = self.grammars  # steps now look for constrained rows
+
+    def _admit_compiled(self, wait: bool) -> None:
+        """Queue the held requests whose grammar has compiled; end with "abort" (and
+        RequestOutput.error) those whose grammar llguidance refused. With `wait` (the engine
+        has nothing else to do), first wait a little for a compile to end rather than spin."""
+        held = self.scheduler.held
+        if wait:
+            concurrent.futures.wait([r.grammar_future for r in held], timeout=HELD_POLL_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for req in [r for r in held if r.grammar_future.done()]:
+            error = req.grammar_future.exception()
+            if error is None:
+                self._constrain(req, req.grammar_future.result())
+                self.scheduler.release(req)
+            else:
+                req.error, req.grammar_future = str(error) or type(error).__name__, None
+                self.scheduler.abort(req)
+
+    def check_request(self, prompt, params: SamplingParams | None = None, *,
+                      compile_grammar: bool = True) -> list[int]:
         """The prompt's token ids if the engine can serve this request; otherwise the
         ValueError subclass that add_request would raise for it (bar n > 1: this checks what
         each of params.samples() needs). Changes nothing, so a caller can check a whole batch
-        of requests before it queues any (LLM.generate)."""
+        of requests before it queues any (LLM.generate).
+
+        A structured output's grammar is compiled here, on the caller's thread, unless
+        `compile_grammar` is False (add_request, on the engine's thread, starts the compile
+        and does not wait for it: a grammar refused then ends its request with "abort")."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
         if params is not None:
-            self._check_params(params)
+            self._check_params(params, compile_grammar)
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) >= self.max_context_len:
             raise PromptTooLongError(
@@ -480,7 +522,7 @@ class Engine:
                                       f"prompt's positions are 1..{len(prompt_ids) - 1}")
         return prompt_ids
 
-    def _check_params(self, params) -> None:
+    def _check_params(self, params, compile_grammar: bool) -> None:
         """What SamplingParams cannot check alone: what this engine serves, and the vocabulary."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -492,7 +534,8 @@ class Engine:
         if params.structured_output is not None:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured_output needs a tokenizer, and this model has none")
-            self.grammars.check(params.structured_output)  # a grammar llguidance refuses: its message
+            if compile_grammar:
+                self.grammars.check(params.structured_output)  # a grammar llguidance refuses: its message
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary ({vocab})")
@@ -506,8 +549,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued and not yet admitted."""
-        return len(self.scheduler.waiting)
+        """Requests queued and not yet admitted (those whose grammar compiles too)."""
+        return self.scheduler.num_queued
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -541,6 +584,8 @@ class Engine:
         """One loop iteration; returns the output deltas it produced."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
+        if self.scheduler.held:
+            self._admit_compiled(wait=self._inflight is None and not self.scheduler.has_schedulable_work())
         if self.overlap:
             return self._step_overlap()
         return self._step_normal()
@@ -734,7 +779,7 @@ class Engine:
             req.num_emitted = n_ids
             self.tokens_generated += len(new_ids)
             out = RequestOutput(req.request_id, new_ids, new_text, finished, req.finish_reason, req.metrics, new_lp,
-                                req.output_ids, n_ids, new_top_logprobs=new_top)
+                                req.output_ids, n_ids, new_top_logprobs=new_top, error=req.error if finished else None)
             if finished and req.prompt_logprobs is not None:
                 out.prompt_logprobs, out.prompt_top1 = req.prompt_logprobs, req.prompt_top1
             outputs.append(out)
@@ -759,7 +804,7 @@ class Engine:
         used_tokens = self.kv_cache_tokens - free_tokens - s.prefix.num_evictable * self.config.page_size
         return {
             "num_running": len(s.running) + (1 if s.prefilling is not None else 0),
-            "num_waiting": len(s.waiting),
+            "num_waiting": s.num_queued,
             "kv_total_tokens": self.kv_cache_tokens,
             "kv_used_tokens": used_tokens,  # held by requests
             "kv_cached_tokens": cached_tokens,  # in the prefix cache (some also held by requests)
@@ -824,6 +869,8 @@ class Engine:
         self.drain()
         self.closed = True
         self.runner.release()
+        if "grammars" in self.__dict__:  # built (a cached_property): its compile threads
+            self.grammars.close()
         if self.config.freeze_gc:
             gc.unfreeze()
         gc.collect()

@@ -334,7 +334,7 @@ class LLM:
                             logprobs=logprobs[rid] if out.new_logprobs is not None else None,
                             prompt_logprobs=out.prompt_logprobs, prompt_top1=out.prompt_top1,
                             top_logprobs=top[rid] if out.new_top_logprobs is not None else None,
-                            sample_index=p.sample_index,
+                            sample_index=p.sample_index, error=out.error,
                         )
                         del logprobs[rid], top[rid]
                         if bar is not None:

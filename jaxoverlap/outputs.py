@@ -59,6 +59,10 @@ class RequestOutput:
     prompt_top1: list[bool | None] | None = None
     # SamplingParams.top_logprobs: per new token, [(token id, logprob), ...] most likely first.
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # On a final "abort" update: why the engine ended a request it had accepted (its
+    # structured output's grammar failed to compile, which Engine.add_request does not wait
+    # for); None for a client's abort and every other update.
+    error: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -81,6 +85,7 @@ class GenerationResult:
     prompt_top1: list[bool | None] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # SamplingParams.top_logprobs, per output token
     sample_index: int = 0  # which of the prompt's SamplingParams.n samples (0 .. n-1)
+    error: str | None = None  # RequestOutput.error of its final update
 
 
 class OutputText:

@@ -63,6 +63,12 @@ class Request:
     # SamplingParams.structured_output: its llguidance matcher, advanced by every output token
     # (structured.py), from which each step's allowed tokens come.
     matcher: object = None
+    # Until the matcher is made: the Future of its grammar's compile (Grammars.compile); the
+    # scheduler holds the request back meanwhile (Scheduler.held).
+    grammar_future: object = None
+    # Why the engine ended the request although its parameters were checked (its grammar's
+    # compile failed on the compile thread), for RequestOutput.error; None otherwise.
+    error: str | None = None
     # With a drafter: where the grammar failed (a parser limit) while the masks of the step
     # being launched were walked along its drafts (on a copy of the matcher,
     # Grammars.window_bitmask), as len(output_ids) once the token drawn under the failed mask

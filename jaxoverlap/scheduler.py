@@ -113,6 +113,9 @@ class Scheduler:
         self.stop_checker = stop_checker or (lambda req: None)
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
+        # Requests queued but not yet schedulable: their grammar is compiling (Engine.add_request).
+        # `release` moves one to `waiting`. Status WAITING; they hold no pages and no entry.
+        self.held: list[Request] = []
         self.prefilling: Request | None = None  # the one request whose prompt is mid-chunk
         # Changed only through _start_running / _stop_running, which drop the cached rows.
         self.running: list[Request] = []
@@ -138,22 +141,37 @@ class Scheduler:
         and the next) and the drafter's lookahead. Part of what a prompt needs to be admitted."""
         return 2 * self.cfg.window + self.cfg.lookahead
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, held: bool = False) -> None:
+        """Queue a request; with `held`, not schedulable until `release`d."""
         # The token ids that end this request, looked up once per generated token.
         req.stop_ids = req.params.ending_token_ids(self.eos_token_ids)
+        (self.held if held else self.waiting).append(req)
+
+    def release(self, req: Request) -> None:
+        """A held request may be scheduled: it queues behind the waiting ones."""
+        self.held.remove(req)
         self.waiting.append(req)
 
+    @property
+    def num_queued(self) -> int:
+        """Requests not yet admitted, held ones included."""
+        return len(self.waiting) + len(self.held)
+
     def abort(self, req: Request) -> None:
-        """Waiting requests end at once; admitted ones at the next schedule (their rows in the
-        in-flight step, if any, are dropped when it is processed)."""
+        """Waiting and held requests end at once; admitted ones at the next schedule (their
+        rows in the in-flight step, if any, are dropped when it is processed)."""
         if req.status is Status.WAITING:
-            self.waiting.remove(req)
+            (self.held if req in self.held else self.waiting).remove(req)
             self._finish(req, "abort")
         elif not req.finished:
             req.abort_requested = True
             self._aborts.append(req)
 
     def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running or self.held)
+
+    def has_schedulable_work(self) -> bool:
+        """Work that a step can launch now (held requests wait for something else)."""
         return bool(self.waiting or self.prefilling or self.running)
 
     def poll_finished(self) -> list[Request]:

@@ -28,6 +28,7 @@ Host-side only (numpy and llguidance): the device side is `allowed_mask` in samp
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -45,7 +46,8 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # own default allows any whitespace between tokens, where a weak model can loop on spaces
 # and newlines until max_new_tokens. A schema's "x-guidance" object overrides these.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_CACHED_GRAMMARS = 256  # compiled grammar texts kept per engine, least recently used dropped
+MAX_CACHED_GRAMMARS = 64  # compiled grammars kept per engine, least recently used dropped
+COMPILE_THREADS = 2  # grammars compiled at once (outside the GIL, beside the engine's loop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +70,9 @@ class StructuredOutput:
             try:
                 value = json.loads(schema) if isinstance(schema, str) else schema
                 text = schema if isinstance(schema, str) else json.dumps(schema)  # keys in their order
-            except (TypeError, ValueError) as e:
-                raise InvalidRequestError(f"invalid structured output: json_schema is not JSON: {e}") from None
+            except (TypeError, ValueError, RecursionError) as e:  # RecursionError: nesting deeper than json can read
+                raise InvalidRequestError(f"invalid structured output: json_schema is not JSON: "
+                                          f"{type(e).__name__}: {e}") from None
             if not isinstance(value, dict):
                 raise InvalidRequestError(f"invalid structured output: json_schema must be a JSON object (a schema), "
                                           f"got {type(value).__name__}")
@@ -145,7 +148,7 @@ def from_command_line(json_schema: str | None = None, regex: str | None = None,
                 raise InvalidRequestError(f"--json-schema is neither a JSON object nor a readable file: {e}") from None
         try:
             given["json_schema"] = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise InvalidRequestError(f"--json-schema is not JSON: {e}") from None
     return given or None
 
@@ -167,43 +170,67 @@ class Grammars:
         # EOS ids the tokenizer has (llguidance refuses others); none: the tokenizer's own.
         self._eos = [int(t) for t in eos_token_ids if int(t) < tokenizer.vocab_size] or None
         self._tokenizer = None
-        self._grammars: collections.OrderedDict[StructuredOutput, str] = collections.OrderedDict()
-        self._lock = threading.Lock()  # add_request may be checked from several threads (check_request)
+        # spec -> Future of its compiled matcher at the grammar's start (a template that each
+        # request copies), least recently used dropped. A failed compile stays: the same bad
+        # spec is refused at once next time.
+        self._compiled: collections.OrderedDict[StructuredOutput, concurrent.futures.Future] = \
+            collections.OrderedDict()
+        self._lock = threading.Lock()  # compile() is called from the engine's thread and callers' (check_request)
+        self._tokenizer_lock = threading.Lock()  # the compile threads may ask for it together
+        self._pool = None
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from llguidance import LLTokenizer
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from llguidance import LLTokenizer
 
-            # From the tokenizer's JSON, as llguidance's transformers bridge does (no transformers here).
-            self._tokenizer = LLTokenizer(self._hf.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
+                # From the tokenizer's JSON, as llguidance's transformers bridge does (no transformers here).
+                self._tokenizer = LLTokenizer(self._hf.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
         return self._tokenizer
 
-    def check(self, spec: StructuredOutput) -> str:
-        """The checked grammar of `spec`; InvalidRequestError with llguidance's message if it
-        is none (a schema it cannot compile, a bad regex)."""
+    def compile(self, spec: StructuredOutput) -> concurrent.futures.Future:
+        """A Future of `spec`'s compiled matcher, started on this object's compile threads
+        unless one is cached. Its exception is InvalidRequestError with llguidance's message
+        for a spec it refuses (a schema it cannot compile, a bad regex).
+
+        A large schema or choice takes llguidance a few hundred milliseconds; it releases the
+        GIL meanwhile, so the engine's loop goes on stepping (Engine.add_request holds the
+        request back until its grammar is ready)."""
         with self._lock:
-            grammar = self._grammars.get(spec)
-            if grammar is not None:
-                self._grammars.move_to_end(spec)
-                return grammar
+            future = self._compiled.get(spec)
+            if future is not None:
+                self._compiled.move_to_end(spec)
+                return future
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "jaxoverlap-grammar")
+            future = self._compiled[spec] = self._pool.submit(self._build, spec)
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return future
+
+    def _build(self, spec: StructuredOutput):
         from llguidance import LLMatcher
 
-        text = spec.grammar_text()
-        error = LLMatcher.validate_grammar(text, self.tokenizer, limits=self.limits)
-        if error and not error.startswith("WARNING"):
-            raise InvalidRequestError(f"invalid structured output: {error.strip()}")
-        with self._lock:
-            self._grammars[spec] = text
-            while len(self._grammars) > MAX_CACHED_GRAMMARS:
-                self._grammars.popitem(last=False)
-        return text
+        matcher = LLMatcher(self.tokenizer, spec.grammar_text(), log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise InvalidRequestError(f"invalid structured output: {matcher.get_error().strip()}")
+        return matcher
+
+    def check(self, spec: StructuredOutput) -> None:
+        """Compile `spec` now (blocking); InvalidRequestError if llguidance refuses it."""
+        self.compile(spec).result()
 
     def matcher(self, spec: StructuredOutput):
-        """A fresh matcher at the start of `spec`'s grammar."""
-        from llguidance import LLMatcher
+        """A fresh matcher at the start of `spec`'s grammar (blocking until it is compiled)."""
+        return self.compile(spec).result().deep_copy()
 
-        return LLMatcher(self.tokenizer, self.check(spec), log_level=0, limits=self.limits)
+    def close(self) -> None:
+        """Stop the compile threads (compiles in progress finish; nothing else starts)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     @functools.cached_property
     def limits(self):

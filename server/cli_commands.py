@@ -245,7 +245,7 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--choice", nargs="+", default=None, help="structured output: the output is one of these strings")
     g = parser.add_argument_group("other calls (instead of generating)")
     _add(g, "--info", action="store_true", help="print model and server info as JSON")
-    _add(g, "--health", action="store_true", help="print the health status")
+    _add(g, "--health", action="store_true", help="print the health status (exit status 1 unless SERVING)")
     _add(g, "--abort", metavar="REQUEST_ID", default=None, help="abort a running request")
     _add(g, "--json", action="store_true", help="print the final result as JSON instead of streaming text")
     return parser
@@ -271,8 +271,9 @@ def run_client(args) -> int:
                               tls_server_name=args.tls_server_name, timeout=args.timeout)
     try:
         if args.health:
-            print(client.health())
-            return 0
+            status = client.health()
+            print(status)
+            return 0 if status == "SERVING" else 1  # a probe's exit status, as grpc_health_probe's
         if args.info:
             print(json.dumps({"model": client.model_info(), "server": client.server_info()}, indent=2))
             return 0

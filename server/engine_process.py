@@ -42,6 +42,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -52,6 +53,9 @@ from jaxoverlap.server.engine_worker import (DuplicateRequestError, EngineCalls,
 logger = logging.getLogger(__name__)
 
 _METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(RequestMetrics))
+# How often, at least, the child tells the parent its step count while its steps make no
+# outputs (a long prompt's prefill chunks): what the server's stall watchdog reads.
+STEP_TICK_S = 0.25
 
 
 class EngineProcessError(RuntimeError):
@@ -95,7 +99,7 @@ class EngineProcess(EngineCalls):
         self._stopping = False
         self._stopped = threading.Event()
         self.dead_error: BaseException | None = None
-        self.steps = 0  # steps whose outputs arrived
+        self.steps = 0  # the child's steps, as it last reported them (with outputs, or a tick: STEP_TICK_S)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -261,7 +265,10 @@ class EngineProcess(EngineCalls):
                 for event in events:
                     kind = event[0]
                     if kind == "out":
+                        self.steps = event[2]
                         self._deliver(event[1])
+                    elif kind == "tick":
+                        self.steps = event[1]
                     elif kind == "reply":
                         self._reply(*event[1:])
                     elif kind == "died":
@@ -295,10 +302,9 @@ class EngineProcess(EngineCalls):
             fut.set_exception(_unwrap(value))
 
     def _deliver(self, packed) -> None:
-        self.steps += 1
         by_loop: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)
         with self._lock:
-            for rid, new_ids, new_text, finished, reason, new_logprobs, metrics, prompt, top in packed:
+            for rid, new_ids, new_text, finished, reason, new_logprobs, metrics, prompt, top, error in packed:
                 entry = self._sinks.get(rid)
                 if entry is None:
                     continue
@@ -307,7 +313,7 @@ class EngineProcess(EngineCalls):
                 if finished:
                     del self._sinks[rid], self._ids[rid]
                 out = RequestOutput(rid, new_ids, new_text, finished, reason, RequestMetrics(*metrics),
-                                    new_logprobs, ids, len(ids), new_top_logprobs=top)
+                                    new_logprobs, ids, len(ids), new_top_logprobs=top, error=error)
                 if prompt is not None:
                     out.prompt_logprobs, out.prompt_top1 = prompt
                 by_loop[entry[0]].append((entry[1], out))
@@ -352,7 +358,7 @@ def _pack(out: RequestOutput) -> tuple:
     m = out.metrics
     prompt = (out.prompt_logprobs, out.prompt_top1) if out.prompt_logprobs is not None else None
     return (out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.new_logprobs,
-            tuple(getattr(m, f) for f in _METRIC_FIELDS), prompt, out.new_top_logprobs)
+            tuple(getattr(m, f) for f in _METRIC_FIELDS), prompt, out.new_top_logprobs, out.error)
 
 
 # ---- the child process ----------------------------------------------------------------------
@@ -384,7 +390,7 @@ class _Sender:
             if parent_gone:
                 continue
             # A step's outputs are packed here, not on the loop's thread.
-            events = [("out", [_pack(o) for o in e[1]]) if e[0] == "out" else e for e in events]
+            events = [("out", [_pack(o) for o in e[1]], e[2]) if e[0] == "out" else e for e in events]
             try:
                 self._conn.send(events)
             except (OSError, ValueError):
@@ -419,6 +425,8 @@ class _ChildLoop:
         self.commands = commands
         self.sender = sender
         self.live: set[str] = set()  # request ids the parent added and that have not finished
+        self.steps = 0
+        self._reported = 0.0  # when the parent last heard of the step count
 
     def run(self) -> None:
         engine, commands = self.engine, self.commands
@@ -440,8 +448,14 @@ class _ChildLoop:
                     self.sender.put(replies)
                 if not stop and engine.has_work():
                     outputs = engine.step()
+                    self.steps += 1
                     if outputs:
                         self._send_outputs(outputs)
+                    elif time.monotonic() - self._reported >= STEP_TICK_S:
+                        # Steps without outputs (prefill chunks, held requests) still show the
+                        # parent's stall watchdog that the engine moves.
+                        self._reported = time.monotonic()
+                        self.sender.put([("tick", self.steps)])
         except BaseException as e:  # noqa: BLE001 - the parent must learn of it
             logger.exception("engine process died")
             self.sender.put([("died", _wrap(e))])
@@ -486,7 +500,8 @@ class _ChildLoop:
         for out in outputs:
             if out.finished:
                 live.discard(out.request_id)
-        self.sender.put([("out", outputs)])
+        self._reported = time.monotonic()
+        self.sender.put([("out", outputs, self.steps)])
 
     def _shutdown(self) -> None:
         """Abort everything left and step until the engine has released it (bounded)."""

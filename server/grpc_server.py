@@ -3,9 +3,11 @@
 One asyncio loop serves every call; the engine runs on the EngineWorker's thread. A Generate call
 registers an output queue with the worker, then relays RequestOutputs as `chunk`s and ends with
 one `complete` per sample (SamplingParams.n; one engine request each). Outputs that pile up
-while the client is slow are merged into one chunk per sample, so a slow reader costs fewer
-messages, not more. When the call ends early for any reason (client cancel, disconnect,
-deadline, server shutdown) its requests are aborted in the engine.
+while the client is slow are merged into chunks of up to MAX_CHUNK_TOKENS tokens, so a slow
+reader costs fewer messages, not more; a client that leaves more than MAX_UNREAD unread (it
+stopped reading) has its call ended with RESOURCE_EXHAUSTED. When the call ends early for any
+reason (client cancel, disconnect, deadline, server shutdown, that limit) its requests are
+aborted in the engine.
 """
 from __future__ import annotations
 
@@ -53,6 +55,16 @@ SAMPLE_SEPARATOR = "#"
 # its deadline: the client's timer starts before the server's, so the client's cancel
 # arrives while the server's copy of the deadline still has this much left.
 DEADLINE_SLACK_S = 0.25
+# A status message's length at most (_details): gRPC refuses metadata past 16 KiB.
+MAX_DETAILS_CHARS = 2048
+# Tokens of one chunk at most: a slow reader's outputs are merged, and a merged chunk must
+# stay far below gRPC's 4 MiB message limit (about 200 bytes a token with 20 top logprobs).
+MAX_CHUNK_TOKENS = 1024
+# What a call may leave unread, in tokens plus their top-logprob entries, before the server
+# ends it (RESOURCE_EXHAUSTED) and aborts its requests: a client that stops reading would
+# otherwise have the server keep everything the engine makes for it (up to n x
+# max_new_tokens outputs, a few KiB a token with top logprobs).
+MAX_UNREAD = 1 << 17
 
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 _SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
@@ -162,6 +174,14 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def _details(message: str) -> str:
+    """A status message short enough for gRPC's metadata (16 KiB at most, or the client gets
+    a transport error in place of the status): llguidance's errors quote the grammar."""
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    return f"{message[:MAX_DETAILS_CHARS]}... ({len(message) - MAX_DETAILS_CHARS} more characters cut)"
+
+
 class _Rejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -266,7 +286,8 @@ class _OutputQueue:
     ends early (cancel, deadline) only queues its aborts, and its id stays taken in the
     engine until their final outputs arrive (`released`)."""
 
-    __slots__ = ("_items", "_event", "engine_ids", "live", "released", "on_released", "added", "abort_requested")
+    __slots__ = ("_items", "_event", "engine_ids", "live", "released", "on_released", "added", "abort_requested",
+                 "unread", "overflowed", "on_overflow")
 
     def __init__(self, engine_ids: list[str]):
         self._items: list = []
@@ -277,14 +298,26 @@ class _OutputQueue:
         self.on_released = None  # called once, when `released` is set
         self.added = False  # every sample's add was accepted by the engine
         self.abort_requested = False  # Abort came before that: abort them once they are
+        self.unread = 0  # tokens and top-logprob entries put and not yet taken (MAX_UNREAD)
+        self.overflowed = False  # past MAX_UNREAD: outputs are dropped, the call ends
+        self.on_overflow = None  # called once, when `overflowed` is set (aborts the requests)
 
     def put(self, item) -> None:
-        self._items.append(item)
-        self._event.set()
         if isinstance(item, BaseException):  # the worker failed: it dropped every request
             self.live.clear()
         elif item.finished:
             self.live.discard(item.request_id)
+        if not self.overflowed:
+            self._items.append(item)
+            self._event.set()
+            if not isinstance(item, BaseException):
+                self.unread += len(item.new_token_ids) + sum(map(len, item.new_top_logprobs or ()))
+                if self.unread > MAX_UNREAD:
+                    # The client has not read for a long while (its transport buffer is full):
+                    # what waits for it goes, and so does the rest of the call.
+                    self.overflowed, self._items = True, []
+                    if self.on_overflow is not None:
+                        self.on_overflow()
         self._check_released()
 
     def forget(self, engine_id: str) -> None:
@@ -299,10 +332,11 @@ class _OutputQueue:
                 self.on_released()
 
     async def get_all(self) -> list:
-        while not self._items:
+        """What was put since the last call (waits for something); [] once overflowed."""
+        while not self._items and not self.overflowed:
             self._event.clear()
             await self._event.wait()
-        items, self._items = self._items, []
+        items, self._items, self.unread = self._items, [], 0
         return items
 
 
@@ -316,24 +350,54 @@ class _ChunkParts:
     top: list = dataclasses.field(default_factory=list)  # pb.TopLogprobs
 
 
+def _merge(outputs, sample_of: dict[str, int], text_makers) -> tuple[list, list]:
+    """One call's outputs taken together (those that piled up while the client read) as
+    ([(sample, _ChunkParts)], [(sample, final RequestOutput)]): each sample's outputs merged
+    in order into chunks of MAX_CHUNK_TOKENS tokens or a little more (a chunk ends with the
+    output that fills it). `text_makers`: the samples' OutputText, where the handler makes
+    the text, else None."""
+    parts: dict[int, _ChunkParts] = {}  # each sample's newest chunk
+    chunks, finals = [], []
+    for out in outputs:
+        k = sample_of[out.request_id]
+        part = parts.get(k)
+        if part is None or len(part.tokens) >= MAX_CHUNK_TOKENS:
+            part = parts[k] = _ChunkParts()
+            chunks.append((k, part))
+        part.tokens.extend(out.new_token_ids)
+        text = out.new_text if text_makers is None else text_makers[k].delta(out)
+        if text:
+            part.texts.append(text)
+        if out.new_logprobs:
+            part.logprobs.extend(out.new_logprobs)
+        if out.new_top_logprobs:
+            part.top.extend(pb.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
+                            for alts in out.new_top_logprobs)
+        if out.finished:
+            finals.append((k, out))
+    return chunks, finals
+
+
 def _tokenize_long(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """For a worker thread: the batch call, which releases the GIL (the single encode does not)."""
     return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
+def _chat_chars(chat: pb.Chat) -> int:
+    """What a chat input's rendering reads, in characters."""
+    return sum(len(m.content) + len(m.role) for m in chat.messages) + len(chat.chat_template_kwargs_json)
+
+
 def _chat_text(tokenizer, chat: pb.Chat) -> str:
-    """The prompt text of a `chat` input under the model's template; InvalidRequestError for a
-    conversation it refuses, bad template variables or a model without a template."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequestError("this model has no chat template: send text or token_ids")
-    if not chat.messages:
-        raise InvalidRequestError("empty input: chat has no messages")
+    """The prompt text of a `chat` input under the model's template (GenerationServicer._prepare
+    checked that there is one and that the chat has messages); InvalidRequestError for a
+    conversation it refuses or bad template variables."""
     template_kwargs = {}
     if chat.chat_template_kwargs_json:
         try:
             template_kwargs = json.loads(chat.chat_template_kwargs_json)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"chat_template_kwargs_json is not JSON: {e}") from None
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than json reads
+            raise InvalidRequestError(f"chat_template_kwargs_json is not JSON: {type(e).__name__}: {e}") from None
         if not isinstance(template_kwargs, dict):
             raise InvalidRequestError("chat_template_kwargs_json must be a JSON object")
         reserved = sorted({"messages", "add_generation_prompt"} & template_kwargs.keys())
@@ -358,7 +422,10 @@ class GenerationServicer:
         # Calls that ended before their engine requests did, by request id, until those are
         # released: a retry with the same id waits for them instead of meeting ALREADY_EXISTS.
         self.retiring: dict[str, _OutputQueue] = {}
-        self.engine_requests = 0  # the engine requests of the live calls (a call with n samples has n)
+        # The engine requests of the live calls and of those still retiring (a call with n
+        # samples has n): a call's count goes when the engine has released its requests, so a
+        # client that starts and cancels calls fast cannot queue more than the limit.
+        self.engine_requests = 0
         self.started = time.monotonic()
         self.drained = asyncio.Event()
         self.drained.set()
@@ -379,10 +446,11 @@ class GenerationServicer:
         if kind == "chat":
             if self.tokenizer is None:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "this model has no tokenizer: send token_ids")
-            try:  # the template runs here, on the event loop: a conversation renders in microseconds
-                prompt = _chat_text(self.tokenizer, req.chat)
-            except InvalidRequestError as e:
-                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "this model has no chat template: send text or token_ids")
+            if not req.chat.messages:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty input: chat has no messages")
+            prompt = req.chat  # rendered by Generate (a long one on a worker thread), then tokenized
         elif kind == "text":
             if not req.text:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty input: text is empty")
@@ -397,7 +465,7 @@ class GenerationServicer:
             params = sampling_params_from_proto(req.sampling_params)
         except InvalidRequestError as e:
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"invalid sampling params: {e}") from None
         rid = req.request_id or uuid.uuid4().hex
         if len(rid) > MAX_REQUEST_ID_LEN:
@@ -419,6 +487,10 @@ class GenerationServicer:
             # Admission control on the server side, with no round trip to the engine: at most
             # max_running_requests run and max_queued_requests wait behind them.
             limit = self.info["max_running_requests"] + self.max_queued_requests
+            if params.n > limit:  # never admitted, however long the client waits: not a retry's matter
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"n={params.n} samples: the server admits {limit} requests at once "
+                                f"(max_running_requests + max_queued_requests={self.max_queued_requests})")
             if self.engine_requests + params.n > limit:
                 raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too many queued requests: {self.engine_requests} in flight, the server admits "
@@ -440,6 +512,7 @@ class GenerationServicer:
         samples = params.samples()
         engine_ids = [rid] if len(samples) == 1 else [f"{rid}{SAMPLE_SEPARATOR}{k}" for k in range(len(samples))]
         mailbox = _OutputQueue(engine_ids)
+        mailbox.on_overflow = lambda: [self.worker.abort_nowait(eid) for eid in engine_ids]
         self.streams[rid] = mailbox
         self.engine_requests += len(engine_ids)
         self.drained.clear()
@@ -447,6 +520,17 @@ class GenerationServicer:
         unfinished = set(range(len(samples)))  # samples the engine may still be running
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
+            if isinstance(prompt, pb.Chat):
+                # The template runs on this loop for a short conversation (microseconds), and on
+                # a worker thread for a long one, which would hold every other call's stream.
+                try:
+                    if _chat_chars(prompt) > INLINE_TOKENIZE_MAX_CHARS:
+                        prompt = await asyncio.to_thread(_chat_text, self.tokenizer, prompt)
+                    else:
+                        prompt = _chat_text(self.tokenizer, prompt)
+                except InvalidRequestError as e:
+                    await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    return
             if isinstance(prompt, str):
                 try:
                     if len(prompt) > INLINE_TOKENIZE_MAX_CHARS:
@@ -500,29 +584,24 @@ class GenerationServicer:
             sample_of = {eid: k for k, eid in enumerate(engine_ids)}
             while True:
                 items = await mailbox.get_all()
-                parts: dict[int, _ChunkParts] = {}
-                finals = []
+                if mailbox.overflowed:
+                    await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"the client left more than {MAX_UNREAD} tokens and top logprobs unread: "
+                                       f"the call's requests were aborted")
+                    return
                 for out in items:
                     if isinstance(out, BaseException):
                         unfinished.clear()  # the worker already dropped the requests
                         await self._reject(context, grpc.StatusCode.UNAVAILABLE, f"engine failed: {out}")
                         return
-                    k = sample_of[out.request_id]
-                    part = parts.get(k)
-                    if part is None:
-                        part = parts[k] = _ChunkParts()
-                    part.tokens.extend(out.new_token_ids)
-                    text = out.new_text if text_makers is None else text_makers[k].delta(out)
-                    if text:
-                        part.texts.append(text)
-                    if out.new_logprobs:
-                        part.logprobs.extend(out.new_logprobs)
-                    if out.new_top_logprobs:
-                        part.top.extend(pb.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
-                                        for alts in out.new_top_logprobs)
-                    if out.finished:
-                        finals.append((k, out))
-                for k, part in parts.items():
+                    if out.error is not None:
+                        # The engine refused the request after accepting it (its grammar did not
+                        # compile; Engine.add_request does not wait for the compile).
+                        unfinished.discard(sample_of[out.request_id])
+                        await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, out.error)
+                        return
+                chunks, finals = _merge(items, sample_of, text_makers)
+                for k, part in chunks:
                     if part.tokens or part.texts:
                         if self.metrics is not None:
                             self.metrics.generated_tokens.inc(len(part.tokens))
@@ -546,7 +625,6 @@ class GenerationServicer:
         finally:
             if self.streams.get(rid) is mailbox:
                 del self.streams[rid]
-            self.engine_requests -= len(engine_ids)
             if not self.streams:
                 self.drained.set()
             loop = asyncio.get_running_loop()
@@ -559,11 +637,14 @@ class GenerationServicer:
                         lambda f, eid=engine_ids[k]: _abort_if_added(self.worker, eid, f, loop, mailbox))
                 else:
                     mailbox.forget(engine_ids[k])
-            if not mailbox.released.is_set():
+            if mailbox.released.is_set():
+                self.engine_requests -= len(engine_ids)
+            else:
                 self.retiring[rid] = mailbox
                 mailbox.on_released = functools.partial(self._retired, rid, mailbox)
 
     def _retired(self, rid: str, mailbox: _OutputQueue) -> None:
+        self.engine_requests -= len(mailbox.engine_ids)
         if self.retiring.get(rid) is mailbox:
             del self.retiring[rid]
 
@@ -602,7 +683,7 @@ class GenerationServicer:
     async def _reject(self, context, code: grpc.StatusCode, message: str):
         if self.metrics is not None:
             self.metrics.errors.labels(code.name).inc()
-        await context.abort(code, message)
+        await context.abort(code, _details(message))
 
     # -- the unary calls
 
@@ -776,10 +857,16 @@ class GenerationServer:
             raise RuntimeError(f"could not bind {address}")
         self.port = port
         await server.start()
-        self._server = server
         if self.metrics is not None:
             mport = 0 if self.requested_metrics_port < 0 else self.requested_metrics_port
-            self.metrics_port = self.metrics.serve(mport, self.metrics_host.strip("[]"))
+            try:
+                self.metrics_port = self.metrics.serve(mport, self.metrics_host.strip("[]"))
+            except BaseException:
+                # (A metrics port taken.) The gRPC server must not stay up, answering SERVING,
+                # behind a start that failed.
+                await server.stop(0)
+                raise
+        self._server = server
         serving = health_pb2.HealthCheckResponse.SERVING
         await self.health.set("", serving)
         await self.health.set(SERVICE_NAME, serving)

@@ -84,6 +84,7 @@ class _FakeRequest:
     output: list[int] = dataclasses.field(default_factory=list)
     sent: int = 0
     aborted: bool = False
+    prefilled: int = 0  # of FakeEngine.prefill_steps
 
 
 class FakeEngine:
@@ -91,11 +92,12 @@ class FakeEngine:
 
     Generated token i of a request is `3 + (sum(prompt) + i) % 26` (letters 'a'..'z' after
     decoding) unless `eos_after` makes it emit EOS. `step_delay` sleeps inside step() to mimic
-    device time; `crash_after_tokens` makes step() raise, as a failing device would.
+    device time; `crash_after_tokens` makes step() raise, as a failing device would;
+    `prefill_steps` steps of a request make no token first, as a long prompt's prefill chunks.
     """
 
     def __init__(self, config: EngineConfig | None = None, *, step_delay: float = 0.0, eos_after: int | None = None,
-                 crash_after_tokens: int | None = None):
+                 crash_after_tokens: int | None = None, prefill_steps: int = 0):
         self.config = config or EngineConfig(max_running_requests=8, max_context_len=64, kv_cache_tokens=1024)
         self.tokenizer = FakeTokenizer()
         self.model_config = FakeModelConfig()
@@ -104,6 +106,7 @@ class FakeEngine:
         self.step_delay = step_delay
         self.eos_after = eos_after
         self.crash_after_tokens = crash_after_tokens  # step() raises once this many tokens were made
+        self.prefill_steps = prefill_steps
         self._waiting: collections.deque[_FakeRequest] = collections.deque()
         self._running: dict[str, _FakeRequest] = {}
         self._all: dict[str, _FakeRequest] = {}
@@ -169,6 +172,9 @@ class FakeEngine:
             self._running[req.request_id] = req
         now = time.monotonic()
         for rid, req in list(self._running.items()):
+            if req.prefilled < self.prefill_steps:
+                req.prefilled += 1
+                continue
             i = len(req.output)
             p = req.params
             if self.eos_after is not None and i >= self.eos_after and not p.ignore_eos:

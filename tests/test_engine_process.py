@@ -111,6 +111,24 @@ def test_concurrent_streams_each_get_their_own_tokens(pair):
     _wait_engine_idle(workers["process"])
 
 
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_steps_without_outputs_count_for_the_stall_watchdog(where):
+    """The watchdog reads `worker.steps`: steps that make no output (a long prompt's prefill
+    chunks) count too, from the engine's process as from its thread."""
+    factory = _factory(step_delay=0.02, prefill_steps=40)
+    worker = (EngineWorker(engine_factory=factory) if where == "thread" else EngineProcess(factory)).start(timeout=60)
+    st = ServerThread(worker, metrics_port=-1).start()
+    try:
+        with GenerationClient(st.target, timeout=30) as c:
+            before = worker.steps
+            assert c.generate_text("hello", max_new_tokens=1).finish_reason == "length"
+            time.sleep(0.3)  # the process's last tick
+            assert worker.steps - before >= 30, worker.steps - before
+    finally:
+        st.stop()
+        worker.stop()
+
+
 @pytest.mark.parametrize("prompt,kw", [([1000], {}), ("x" * 80, {}), ([5, 6], {"max_new_tokens": 0})])
 def test_bad_requests_get_the_same_error(pair, prompt, kw):
     workers, servers = pair

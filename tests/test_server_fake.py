@@ -456,6 +456,9 @@ def test_a_stalled_engine_turns_health_not_serving_until_it_steps_again():
             waiting = threading.Thread(target=lambda: done.append(c.generate_text("abc", max_new_tokens=5)))
             waiting.start()
             assert _health_turns(c, "NOT_SERVING") == "NOT_SERVING"
+            parser = argparse.ArgumentParser()
+            cli_commands.add_client_args(parser)
+            assert cli_commands.run_client(parser.parse_args(["--target", st.target, "--health"])) == 1
             gate.set()
             assert _health_turns(c, "SERVING") == "SERVING"
             waiting.join(10)
@@ -823,7 +826,7 @@ def test_stop_closes_an_engine_the_worker_built_and_only_that():
     assert closed == [built]  # the caller's engine is the caller's to close
 
 
-def test_chat_input_is_rendered_by_the_models_template(capsys):
+def test_chat_input_is_rendered_by_the_models_template(capsys, monkeypatch):
     """`chat` input: the server renders the messages with the model's template and encodes
     the text without special tokens; the engine gets what the same text as token ids gives.
     A model without a template, and conversations the template refuses, get INVALID_ARGUMENT."""
@@ -858,7 +861,7 @@ def test_chat_input_is_rendered_by_the_models_template(capsys):
             with pytest.raises(grpc.RpcError) as e:
                 list(client._stub.Generate(req))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.details()
-        for kwargs_json, word in (("{", "not JSON"), ("[1]", "JSON object"),
+        for kwargs_json, word in (("{", "not JSON"), ("[1]", "JSON object"), ("[" * 100000, "not JSON"),
                                   ('{"add_generation_prompt": false}', "may not set add_generation_prompt"),
                                   ('{"messages": []}', "may not set messages")):
             req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")],
@@ -866,6 +869,18 @@ def test_chat_input_is_rendered_by_the_models_template(capsys):
             with pytest.raises(grpc.RpcError) as e:
                 list(client._stub.Generate(req))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.details()
+        # A long conversation renders on a worker thread (not on the server's event loop), alike.
+        from jaxoverlap.server import grpc_server
+
+        monkeypatch.setattr(grpc_server, "INLINE_TOKENIZE_MAX_CHARS", 8)
+        rendered = []
+        real_render = grpc_server._chat_text
+        monkeypatch.setattr(grpc_server, "_chat_text",
+                            lambda *a: rendered.append(threading.current_thread().name) or real_render(*a))
+        got = client.generate_text([{"role": "user", "content": "Héllo Héllo"}], max_new_tokens=4)
+        want = client.generate_text(engine.tokenizer.encode("[user]Héllo Héllo[assistant]"), max_new_tokens=4)
+        assert rendered and rendered[0] != "jaxoverlap-grpc"  # not the server's loop thread
+        assert (got.token_ids, got.prompt_tokens) == (want.token_ids, want.prompt_tokens)
         with pytest.raises(TypeError, match="chat messages only"):
             build_request("text", chat_template_kwargs={"short": True})
         parser = argparse.ArgumentParser()
@@ -888,4 +903,135 @@ def test_chat_input_is_rendered_by_the_models_template(capsys):
         client.close()
         chat.stop()
         plain.stop()
+        worker.stop()
+
+
+def test_deep_json_and_long_errors_are_invalid_arguments(served):
+    """JSON nested past what Python's json reads is a bad request, not a server error; a
+    message longer than gRPC's metadata allows is cut, so the client gets its status."""
+    from jaxoverlap.server.grpc_server import MAX_DETAILS_CHARS, _details
+
+    _, _, _, client = served
+    for schema in ("[" * 100000, '{"a":' * 100000):
+        req = pb.GenerateRequest(text="x", sampling_params=pb.SamplingParams(
+            structured_output=pb.StructuredOutput(json_schema=schema)))
+        with pytest.raises(grpc.RpcError) as e:
+            list(client._stub.Generate(req))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not JSON" in e.value.details()
+    assert _details("x" * 10) == "x" * 10
+    cut = _details("y" * 50000)
+    assert cut.startswith("y" * MAX_DETAILS_CHARS) and "47952 more characters cut" in cut and len(cut) < 2200
+    assert client.generate_text("ok", max_new_tokens=2).finish_reason == "length"
+
+
+def test_outputs_that_piled_up_merge_into_chunks_of_bounded_size(monkeypatch):
+    """A slow reader's outputs merge, each sample's in order, into chunks of at most
+    MAX_CHUNK_TOKENS tokens (or one output past it), so that no message outgrows gRPC's limit."""
+    from jaxoverlap.outputs import RequestMetrics, RequestOutput
+    from jaxoverlap.server import grpc_server
+
+    monkeypatch.setattr(grpc_server, "MAX_CHUNK_TOKENS", 4)
+    outs, ids = [], {"a": [], "b": []}
+    for step in range(7):
+        for rid, n in (("a", 1), ("b", 3)):
+            new = [10 * step + j for j in range(n)]
+            ids[rid] += new
+            outs.append(RequestOutput(rid, new, "t" * n, step == 6, "length" if step == 6 else None, RequestMetrics(),
+                                      new_logprobs=[-1.0] * n, new_top_logprobs=[[(1, -0.5)]] * n))
+    chunks, finals = grpc_server._merge(outs, {"a": 0, "b": 1}, None)
+    for k, rid in enumerate("ab"):
+        mine = [part for j, part in chunks if j == k]
+        assert [t for part in mine for t in part.tokens] == ids[rid]
+        assert all(len(part.tokens) <= 4 + (3 if rid == "b" else 1) - 1 for part in mine)
+        assert all(len(part.logprobs) == len(part.top) == len(part.tokens) == len("".join(part.texts))
+                   for part in mine)
+    assert [len(p.tokens) for j, p in chunks if j == 0] == [4, 3] and [k for k, _ in finals] == [0, 1]
+
+
+def test_a_call_that_leaves_too_much_unread_ends_and_aborts_its_requests(monkeypatch):
+    """The mailbox of a call whose client stopped reading keeps at most MAX_UNREAD tokens and
+    top-logprob entries: past it, what waits is dropped, the requests are aborted (once), and
+    the call ends; its requests are still tracked until the engine releases them."""
+    from jaxoverlap.outputs import RequestMetrics, RequestOutput
+    from jaxoverlap.server import grpc_server
+
+    monkeypatch.setattr(grpc_server, "MAX_UNREAD", 50)
+
+    async def run():
+        box = grpc_server._OutputQueue(["r#0", "r#1"])
+        aborted = []
+        box.on_overflow = lambda: aborted.append(True)
+        for step in range(10):  # 5 tokens of 1 top logprob each: 10 a step
+            box.put(RequestOutput("r#0", [1] * 5, "", False, None, RequestMetrics(),
+                                  new_top_logprobs=[[(2, -1.0)]] * 5))
+            if step == 1:
+                assert len(await box.get_all()) == 2  # taken: the count starts again
+        assert box.overflowed and aborted == [True] and await box.get_all() == []
+        box.put(RequestOutput("r#0", [1], "", True, "abort", RequestMetrics()))
+        assert not box.released.is_set() and await box.get_all() == []
+        box.put(RequestOutput("r#1", [], "", True, "abort", RequestMetrics()))
+        assert box.released.is_set() and aborted == [True]
+
+    asyncio.run(run())
+
+
+def test_admission_counts_a_call_until_the_engine_releases_its_requests():
+    """A call cancelled while the engine is inside a step keeps its place in the server's
+    admission count until the engine has released its requests: starting and cancelling calls
+    fast queues no more than max_running_requests + max_queued_requests; and an n that could
+    never be admitted is a bad request, not a retryable one."""
+    engine = FakeEngine(EngineConfig(max_running_requests=1, max_context_len=64, kv_cache_tokens=1024),
+                        step_delay=0.4)
+    worker = EngineWorker(engine).start()
+    st = ServerThread(worker, max_queued_requests=0).start()
+    try:
+        with GenerationClient(st.target, timeout=30) as c:
+            stream = c._stub.Generate(build_request("abc", "first", max_new_tokens=60))
+            next(stream)
+            stream.cancel()  # its abort waits for the step the engine is in
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate_text("abc", max_new_tokens=2)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            deadline = time.monotonic() + 10
+            while st.server.servicer.engine_requests and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert c.generate_text("abc", max_new_tokens=2).finish_reason == "length"
+            with pytest.raises(grpc.RpcError) as e:
+                list(c.generate("abc", max_new_tokens=2, n=2))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n=2" in e.value.details()
+    finally:
+        st.stop()
+        worker.stop()
+    engine.check_integrity()
+
+
+def test_a_start_that_fails_leaves_no_server_behind():
+    """A start that fails after the gRPC port was bound (the metrics port is taken) raises,
+    and leaves nothing listening there; stop() afterwards does nothing."""
+    import socket
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from jaxoverlap.server.grpc_server import GenerationServer
+
+    worker = EngineWorker(_fake()).start()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+
+    async def run():
+        server = GenerationServer(worker, metrics_port=busy.getsockname()[1])
+        with pytest.raises(OSError):
+            await server.start()
+        assert server.port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        await server.stop(0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        busy.close()
         worker.stop()

@@ -401,10 +401,11 @@ def test_too_many_queued_requests(env):
             for s in streams:
                 s.cancel()
             _wait_idle(env)
-            # Samples count one each: n=17 alone is over the 16 the server admits.
+            # Samples count one each: n=17 alone is over the 16 the server admits, and never will
+            # be (a bad request, not one to retry).
             with pytest.raises(grpc.RpcError) as e:
                 c.generate_samples([5, 6], 17, max_new_tokens=2)
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "n=17" in e.value.details()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n=17" in e.value.details()
             streams = [c.generate([5, 6, 4], n=16, max_new_tokens=240, ignore_eos=True)]
             next(iter(streams[0]))
             with pytest.raises(grpc.RpcError) as e:
@@ -666,4 +667,8 @@ def test_structured_output_over_grpc(env):
     with pytest.raises(grpc.RpcError) as e:
         client.generate_text("Once", max_new_tokens=4, structured_output={"regex": "[a-"})
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()
+    # llguidance's message quotes the regex: cut to what gRPC's metadata holds, same status.
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate_text("Once", max_new_tokens=4, structured_output={"regex": "(" + "a" * 20000})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more characters cut" in e.value.details()
     _wait_idle(env)

@@ -277,13 +277,96 @@ def test_a_grammar_that_fails_while_a_mask_is_made_ends_with_abort(llm, monkeypa
 
     grammars = llm.engine.grammars
     monkeypatch.setattr(grammars, "limits", LLParserLimits(step_lexer_fuel=10, verbose_errors=False))
-    grammars._grammars.clear()  # checked again under the tight limits
+    grammars._compiled.clear()  # compiled again under the tight limits
     try:
         for ignore_eos in (False, True):
             [res] = llm.generate(["Once"], SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=ignore_eos,
                                                           structured_output={"json_schema": SCHEMA}))
             assert res.finish_reason == "abort", (ignore_eos, res.text, res.finish_reason)
     finally:
-        grammars._grammars.clear()
+        grammars._compiled.clear()
     assert llm.engine._constrained == 0 and llm.engine.runner.grammars is None
     llm.engine.check_integrity()
+
+
+@pytest.fixture
+def gated_compiles(llm, monkeypatch):
+    """The engine's grammar compiles wait for `gate` (on the compile threads); `specs` lists
+    the specs compiled. The gate opens at the end in any case."""
+    import threading
+    from types import SimpleNamespace
+
+    grammars = llm.engine.grammars
+    real = grammars._build
+    state = SimpleNamespace(gate=threading.Event(), specs=[])
+
+    def gated(spec):
+        state.specs.append(spec)
+        state.gate.wait(60)
+        return real(spec)
+
+    monkeypatch.setattr(grammars, "_build", gated)
+    try:
+        yield state
+    finally:
+        state.gate.set()
+
+
+def _step_until_idle(engine) -> dict:
+    finals = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_a_grammar_compiles_while_the_engine_runs(llm, gated_compiles):
+    """add_request does not wait for a grammar's compile (a large schema takes llguidance
+    hundreds of milliseconds, which would hold every running request): the request waits
+    apart while the others step on, its n samples share one compile, and once compiled it
+    runs as it would have."""
+    engine = llm.engine
+    spec = {"regex": r"[0-9]{4}-held"}
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, structured_output=spec)
+    engine.add_request("free", "Once upon a time", SamplingParams(max_new_tokens=24, temperature=0.0))
+    for k in range(4):
+        engine.add_request(f"c{k}", "Count:", params)
+    assert [r.request_id for r in engine.scheduler.held] == ["c0", "c1", "c2", "c3"]
+    assert engine.num_waiting == 5  # "free" waits too
+    made = []
+    for _ in range(6):
+        made += [out.request_id for out in engine.step() if out.new_token_ids]
+    assert "free" in made and not any(rid.startswith("c") for rid in made)
+    assert len(engine.scheduler.held) == 4
+    gated_compiles.gate.set()
+    finals = _step_until_idle(engine)
+    [text] = {engine.tokenizer.decode(finals[f"c{k}"].token_ids) for k in range(4)}  # greedy: all four alike
+    assert re.fullmatch(r"[0-9]{4}-held", text) and finals["c0"].finish_reason == "stop"
+    assert len(gated_compiles.specs) == 1  # one compile for the four
+    [alone] = llm.generate(["Count:"], params)  # compiled now: no wait
+    assert alone.text == text
+    assert engine._constrained == 0 and engine.runner.grammars is None
+    engine.check_integrity()
+
+
+def test_a_grammar_refused_on_the_compile_thread_ends_its_request(llm, gated_compiles):
+    """A grammar llguidance refuses, found after add_request returned: the request ends
+    "abort" with the reason in RequestOutput.error; the same spec is then refused at once."""
+    engine = llm.engine
+    bad = {"regex": "((("}
+    engine.add_request("bad", "Count:", SamplingParams(max_new_tokens=8, structured_output=bad))
+    engine.add_request("held", "Count:", SamplingParams(max_new_tokens=8, structured_output={"regex": "[a-c]{3}"}))
+    engine.add_request("ok", "Hello", SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert engine.abort("held")  # a held request ends at once, with no error
+    gated_compiles.gate.set()
+    finals = _step_until_idle(engine)
+    assert finals["bad"].finish_reason == "abort" and "invalid structured output" in finals["bad"].error
+    assert finals["held"].finish_reason == "abort" and finals["held"].error is None
+    assert finals["ok"].finish_reason == "length" and finals["ok"].error is None
+    with pytest.raises(InvalidRequestError, match="invalid structured output"):
+        engine.add_request("bad2", "Count:", SamplingParams(max_new_tokens=8, structured_output=bad))
+    with pytest.raises(InvalidRequestError, match="invalid structured output"):
+        llm.generate(["Count:"], SamplingParams(max_new_tokens=8, structured_output=bad))
+    assert engine._constrained == 0 and not engine.has_work()
+    engine.check_integrity()
