@@ -363,6 +363,12 @@ class Engine:
             stop_checker=self._check_token,
             eos_token_ids=self.eos_token_ids,
         )
+        if not self.scheduler.fits(self.max_context_len):
+            # vLLM refuses to start here; small caches are useful for tests and notebooks, so warn.
+            longest = self.kv_cache_tokens - self.scheduler.row_headroom
+            logger.warning("the KV cache (%d tokens) cannot hold one request of max_context_len=%d: a running request "
+                           "keeps room for %d more tokens, so one that grows past about %d tokens ends with 'length'",
+                           self.kv_cache_tokens, self.max_context_len, self.scheduler.row_headroom, longest)
         self.runner = ModelRunner(
             params, mc, state, page_size=ps, max_running=config.max_running_requests,
             prefill_shapes=self.scheduler.cfg.prefill_shapes,

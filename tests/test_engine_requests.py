@@ -1,5 +1,6 @@
 """Bad input, stop conditions and padded rows on the tiny engine."""
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -147,10 +148,20 @@ def test_accept_length_of_plain_decoding_is_one_after_retractions():
     assert all(f.metrics.accept_length == 1.0 for f in finals.values())
 
 
-def test_prompt_longer_than_the_whole_cache():
-    eng = make_engine(kv_cache_tokens=32, max_context_len=128)
+def test_prompt_longer_than_the_whole_cache(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxoverlap"):
+        eng = make_engine(kv_cache_tokens=32, max_context_len=128)
+    assert "cannot hold one request of max_context_len=128" in caplog.text
     with pytest.raises(PromptTooLongError, match="KV cache"):
         eng.add_request("big", list(range(1, 40)), GREEDY)
+    # A request that grows past the cache ends with "length" where the warning said.
+    out = run_workload(eng, {0: [("grows", list(range(1, 11)), dataclasses.replace(GREEDY, max_new_tokens=100))]})
+    assert out["grows"].finish_reason == "length"
+    assert 32 - 2 - 1 <= 10 + len(out["grows"].token_ids) <= 32
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxoverlap"):
+        make_engine(kv_cache_tokens=32, max_context_len=30)
+    assert "cannot hold" not in caplog.text
 
 
 def test_stop_token_ids_eos_and_max_new_tokens():
