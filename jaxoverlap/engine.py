@@ -301,7 +301,12 @@ class Engine:
 
         mc, ps = self.model_config, config.page_size
         self.serves_penalties = config.enable_penalties
-        self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096)
+        window = mc.attention_window or mc.max_position_embeddings
+        if config.max_context_len is not None and config.max_context_len > window:
+            raise ValueError(f"max_context_len={config.max_context_len} is longer than the model's sliding window "
+                             f"({window} tokens): the engine computes full attention, which equals the window's "
+                             f"only within it; set max_context_len <= {window}")
+        self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096, window)
         if self.max_context_len > mc.max_position_embeddings:
             logger.warning("max_context_len=%d is past the model's max_position_embeddings=%d: positions beyond "
                            "it are outside what the model was trained on", self.max_context_len,

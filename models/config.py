@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
-# HF `model_type` values we serve; Qwen2 is Qwen3 without qk-norm but with a qkv bias.
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+# HF `model_type` values we serve; Qwen2 is Qwen3 without qk-norm but with a qkv bias;
+# Mistral is Llama's layer, with a sliding window in some versions (`attention_window`).
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 
 class CheckpointError(ValueError):
@@ -68,6 +69,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Mistral's `sliding_window`: each token attends to this many tokens at most. Within a
+    # context of that many tokens this is full attention, which is what the engine computes,
+    # so the engine serves contexts of at most this many tokens (Engine's max_context_len).
+    attention_window: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -140,6 +145,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            attention_window=_attention_window(cfg, model_type),
         )
         try:  # an unsupported RoPE scaling is refused at load, not at the first forward
             config.rope_inv_freq()
@@ -164,6 +170,15 @@ class ModelConfig:
         gen = read_json_if_present(gen_path)
         gen_eos = token_ids(gen.get("eos_token_id"), f"{gen_path}: eos_token_id")
         return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys((*gen_eos, *config.eos_token_ids))))
+
+
+def _attention_window(cfg: dict, model_type: str) -> int | None:
+    """Mistral's sliding window (null in Mistral 7B v0.2 and later, 4096 in v0.1). Qwen2's
+    `sliding_window` applies only with `use_sliding_window`, which is refused."""
+    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+        raise CheckpointError(f"sliding_window must be an integer >= 2 or null, got {window!r}")
+    return window
 
 
 def _refuse_unsupported(cfg: dict) -> None:

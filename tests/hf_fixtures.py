@@ -29,6 +29,13 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
     ),
+    # Llama's layer; an explicit head_dim != hidden / heads (as Mistral Nemo), and a sliding
+    # window longer than the tests' contexts (within it, full attention is the window's).
+    "mistral": dict(
+        vocab_size=176, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=512,
+        rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=96,
+    ),
 }
 
 
@@ -36,7 +43,7 @@ def tiny_hf_config(family: str, **overrides):
     import transformers
 
     cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
-           "qwen2": transformers.Qwen2Config}[family]
+           "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[family]
     kwargs = {**FAMILIES[family], **overrides}
     return cls(**kwargs)
 

@@ -17,7 +17,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.loader import CheckpointError, default_model_path, load_params
 from jaxoverlap.models.params import ModelParams
 
-FAMILIES = ["qwen3", "llama", "qwen2"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
 
 
 def _state_dict(path: str) -> dict[str, np.ndarray]:
@@ -270,6 +270,27 @@ def test_configs_that_change_the_math_are_refused_at_load():
                                      "layer_types": ["full_attention"] * base["num_hidden_layers"],
                                      "num_key_value_heads": None})
     assert fine.num_kv_heads == fine.num_heads
+
+
+def test_a_sliding_window_bounds_the_served_context(hf_checkpoint):
+    """Mistral's sliding window: within it full attention is the window's, so the engine
+    serves contexts up to it (by default) and refuses a longer max_context_len."""
+    from engine_fixtures import make_engine
+
+    cfg = ModelConfig.from_path(hf_checkpoint("mistral"))
+    assert cfg.model_type == "mistral" and cfg.attention_window == 96 and cfg.head_dim == 24
+    base = json.loads(open(os.path.join(default_model_path(), "config.json")).read())
+    assert ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": None}).attention_window is None
+    # Qwen2's sliding_window is off unless use_sliding_window (refused above).
+    assert ModelConfig.from_hf_dict({**base, "model_type": "qwen2", "sliding_window": 8}).attention_window is None
+    for bad in (1, 4.5, True, "4096"):
+        with pytest.raises(CheckpointError, match="sliding_window"):
+            ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": bad})
+    tiny = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 40})
+    assert make_engine(cfg=tiny, max_context_len=None).max_context_len == 40
+    assert make_engine(cfg=tiny, max_context_len=40).max_context_len == 40
+    with pytest.raises(ValueError, match="sliding window"):
+        make_engine(cfg=tiny, max_context_len=41)
 
 
 def test_eos_ids_of_generation_config_without_a_tokenizer(tmp_path):

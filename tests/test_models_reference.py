@@ -19,7 +19,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.loader import default_model_path, load_params
 from jaxoverlap.models.params import ModelParams
 
-FAMILIES = ["qwen3", "llama", "qwen2"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
 REL_TOL = 1e-4
 
 
@@ -146,7 +146,8 @@ def test_greedy_continuation_matches_transformers(hf_checkpoint, family):
     cfg = ModelConfig.from_path(path)
     prompt = _tokens(cfg, 11, seed=2).tolist()
     expected = _hf_greedy(path, prompt, 32)
-    llm = LLM(path, dtype="float32", max_context_len=256, kv_cache_tokens=1024, page_size=16)
+    llm = LLM(path, dtype="float32", max_context_len=min(256, cfg.attention_window or 256), kv_cache_tokens=1024,
+              page_size=16)
     got = llm.generate([prompt], SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))[0].token_ids
     assert list(got) == expected
 
