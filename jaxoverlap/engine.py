@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoverlap import penalties
+from jaxoverlap import interrupts, penalties
 from jaxoverlap.buckets import PrefillShapes
 from jaxoverlap.compile_watch import CompileWatch
 from jaxoverlap.config import EngineConfig
@@ -301,12 +301,12 @@ class Engine:
 
         mc, ps = self.model_config, config.page_size
         self.serves_penalties = config.enable_penalties
-        window = mc.attention_window or mc.max_position_embeddings
-        if config.max_context_len is not None and config.max_context_len > window:
+        window = mc.attention_window
+        if window is not None and config.max_context_len is not None and config.max_context_len > window:
             raise ValueError(f"max_context_len={config.max_context_len} is longer than the model's sliding window "
                              f"({window} tokens): the engine computes full attention, which equals the window's "
                              f"only within it; set max_context_len <= {window}")
-        self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096, window)
+        self.max_context_len = config.max_context_len or min(mc.max_position_embeddings, 4096, window or 4096)
         if self.max_context_len > mc.max_position_embeddings:
             logger.warning("max_context_len=%d is past the model's max_position_embeddings=%d: positions beyond "
                            "it are outside what the model was trained on", self.max_context_len,
@@ -595,11 +595,12 @@ class Engine:
         """One loop iteration; returns the output deltas it produced."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
-        if self.scheduler.held:
-            self._admit_compiled(wait=self._inflight is None and not self.scheduler.has_schedulable_work())
-        if self.overlap:
-            return self._step_overlap()
-        return self._step_normal()
+        with interrupts.deferred():  # Ctrl-C waits for the step: its programs donate the state
+            if self.scheduler.held:
+                self._admit_compiled(wait=self._inflight is None and not self.scheduler.has_schedulable_work())
+            if self.overlap:
+                return self._step_overlap()
+            return self._step_normal()
 
     def set_overlap(self, enabled: bool) -> None:
         """Switch loops between workloads (benchmarks compare the two in one process)."""

@@ -9,18 +9,17 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import itertools
 import numbers
-import signal
 import threading
 from typing import Iterator, Sequence
 
 import numpy as np
 
+from jaxoverlap import interrupts
 from jaxoverlap.config import EngineConfig
-from jaxoverlap.engine import Engine
+from jaxoverlap.engine import Engine, _int_list
 from jaxoverlap.errors import EngineClosedError, InvalidRequestError
 from jaxoverlap.outputs import GenerationResult, RequestOutput
 from jaxoverlap.sampling_params import SamplingParams
@@ -41,30 +40,6 @@ class _Pending:
     sample_index: int  # 0 .. n-1 of SamplingParams.n
 
 
-@contextlib.contextmanager
-def _sigint_after_step():
-    """Ctrl-C (SIGINT) waits for the block to end: an engine step and the filing of its
-    outputs. Python raises KeyboardInterrupt between any two bytecodes, and one raised inside
-    a step can leave the runner holding buffers the step's program donated (every later
-    call fails), or drop a step's tokens for a paused stream. The signal is then handed to
-    the handler that was installed (KeyboardInterrupt by default). Only the main thread can
-    install handlers; elsewhere the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            if callable(previous):
-                previous(signal.SIGINT, caught[0])
-            elif previous == signal.SIG_DFL:
-                raise KeyboardInterrupt
-
-
 def _one_prompt(prompts) -> bool:
     """Whether `prompts` is one prompt (a text, or token ids as a list or a 1-D array of
     integers, numpy's included) rather than a list of prompts."""
@@ -72,6 +47,9 @@ def _one_prompt(prompts) -> bool:
         return True
     if isinstance(prompts, np.ndarray):
         return prompts.ndim == 1
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError(f"prompts must be a string, a list of token ids, or a list of those, got "
+                                  f"{type(prompts).__name__}")
     return len(prompts) > 0 and isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool)
 
 
@@ -83,10 +61,14 @@ class LLM:
         # stream paused in a notebook while another generate() runs; two streams zipped),
         # and it files each output in its own call's inbox (one deque per call).
         self._routes: dict[str, collections.deque] = {}
+        # The engine is single-threaded: calls from several threads take turns, a step (and the
+        # filing of its outputs) at a time, so each thread's outputs are still its own.
+        self._lock = threading.RLock()
 
     def close(self) -> None:
         """Free the engine's device memory now (Engine.close); the LLM cannot generate after."""
-        self.engine.close()
+        with self._lock:
+            self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -101,7 +83,8 @@ class LLM:
     def warmup(self, batch_sizes=None, ctx_lens=None, **kw) -> list[dict]:
         """Compile the decode programs ahead of the first generate, and with prefill=True every
         prefill program too (Engine.warmup)."""
-        return self.engine.warmup(batch_sizes, ctx_lens, **kw)
+        with self._lock:
+            return self.engine.warmup(batch_sizes, ctx_lens, **kw)
 
     def _prepare(self, prompts, sampling_params) -> collections.deque:
         """Every request of one call as a _Pending, all checked before any is queued: a bad
@@ -112,6 +95,10 @@ class LLM:
             prompts = [prompts]  # one prompt, as text or as token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                p is None or isinstance(p, SamplingParams) for p in sampling_params):
+            raise InvalidRequestError("sampling_params must be a SamplingParams, None, or a list of them (one per "
+                                      "prompt)")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         prompts = list(prompts)
@@ -143,29 +130,34 @@ class LLM:
     def _open_call(self, pending: collections.deque) -> collections.deque:
         """The inbox of a new call: every output of its requests lands there."""
         inbox = collections.deque()
-        for p in pending:
-            self._routes[p.request_id] = inbox
+        with self._lock:
+            for p in pending:
+                self._routes[p.request_id] = inbox
         return inbox
 
     def _outputs(self, inbox: collections.deque, pending: collections.deque) -> list[RequestOutput]:
         """The call's next outputs: those another call's steps filed for it, else the next
         steps' (the call queues more of its requests first)."""
-        while not inbox:
-            if self.engine.closed:  # e.g. a stream resumed after close()
-                raise EngineClosedError("the engine is closed")
-            self._feed(pending)
-            if not self.engine.has_work():  # (never expected: the call's requests are lost)
-                raise RuntimeError("the engine is idle but this call's requests have not finished")
-            with _sigint_after_step():
-                for out in self.engine.step():
-                    box = self._routes.get(out.request_id)
-                    if box is not None:  # not: a request given up, or one added to the engine directly
-                        box.append(out)
-                        if out.finished:
-                            del self._routes[out.request_id]
-        outs = list(inbox)
-        inbox.clear()
-        return outs
+        while True:
+            with self._lock:
+                if inbox:
+                    outs = list(inbox)
+                    inbox.clear()
+                    return outs
+                if self.engine.closed:  # e.g. a stream resumed after close()
+                    raise EngineClosedError("the engine is closed")
+                self._feed(pending)
+                if not self.engine.has_work():  # (never expected: the call's requests are lost)
+                    raise RuntimeError("the engine is idle but this call's requests have not finished")
+                # Ctrl-C waits for the step and the filing of its outputs: a paused stream's
+                # tokens are not dropped (the step itself defers it too: interrupts.py).
+                with interrupts.deferred():
+                    for out in self.engine.step():
+                        box = self._routes.get(out.request_id)
+                        if box is not None:  # not: a request given up, or one added to the engine directly
+                            box.append(out)
+                            if out.finished:
+                                del self._routes[out.request_id]
 
     def generate_stream(
         self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, sampling_params=None
@@ -187,9 +179,10 @@ class LLM:
     def _abandon(self, ids) -> None:
         """Abort the call's requests that have not finished, so that a call given up (a loop
         left early, Ctrl-C in a notebook) leaves no work behind in the engine."""
-        for rid in ids:
-            self._routes.pop(rid, None)
-            self.engine.abort(rid)  # False for those never queued or already done
+        with self._lock:
+            for rid in ids:
+                self._routes.pop(rid, None)
+                self.engine.abort(rid)  # False for those never queued or already done
 
     def chat(self, conversations, sampling_params=None, *, use_tqdm: bool = False,
              add_generation_prompt: bool = True, **template_kwargs) -> list[GenerationResult]:
@@ -213,7 +206,10 @@ class LLM:
         part is text or token ids; text continuations are encoded without special tokens and
         appended to the context's ids. Uses SamplingParams(prompt_logprobs=True)."""
         prompts, starts, params = [], [], []
-        for context, continuation in requests:
+        for pair in requests:
+            if isinstance(pair, str) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise InvalidRequestError(f"loglikelihood takes (context, continuation) pairs, got {pair!r:.80}")
+            context, continuation = pair
             ctx = self._ids_of(context, special=True)
             cont = self._ids_of(continuation, special=False)
             if not ctx or not cont:
@@ -288,7 +284,9 @@ class LLM:
             if self.engine.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids")
             return self.engine.tokenizer.encode(part, add_special_tokens=special)
-        return [int(t) for t in part]
+        if not isinstance(part, (list, tuple, np.ndarray)):
+            raise InvalidRequestError(f"expected text or a list of token ids, got {type(part).__name__}")
+        return _int_list(part)
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[GenerationResult]:
         """Run prompts to completion; one GenerationResult per prompt, in order. With

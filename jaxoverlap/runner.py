@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from jaxoverlap import steps
+from jaxoverlap import interrupts, steps
 from jaxoverlap.buckets import PrefillShapes, pick, powers_of_two_up_to
 from jaxoverlap.device_state import DeviceState
 from jaxoverlap.models.config import ModelConfig
@@ -766,23 +766,27 @@ class ModelRunner:
                 report += list(pool.map(compile_one, later))
         if execute:  # in order, on this thread: each run takes the state the one before returned
             for row in report:
-                t = time.perf_counter()
-                if row["program"] == "decode":
-                    self._run_padding_step(row["batch"], row["ctx_len"], row["sampling"], row["draft"],
-                                           row["top_logprobs"])
-                elif row["program"] == "forward":
-                    self._run_padding_forward(row["batch"], row["ctx_len"])
-                elif row["program"] == "sample":
-                    self._run_padding_sample(row["batch"], row["sampling"], row["top_logprobs"], mask_words,
-                                             logits_sharding[row["batch"]])
-                elif row["program"] == "spec_split":
-                    self._run_padding_spec_split(row["batch"], row["ctx_len"], row["draft"], sampling, tops,
-                                                 mask_words)
-                else:
-                    continue
-                row["run_seconds"] = time.perf_counter() - t
+                with interrupts.deferred():  # Ctrl-C waits for the run: it donates the state
+                    self._run_padding(row, sampling, tops, mask_words, logits_sharding)
             jax.block_until_ready(self.state)
         return report
+
+    def _run_padding(self, row: dict, sampling, tops, mask_words, logits_sharding) -> None:
+        """Run the program of one precompile report row once on padding rows (none for a
+        prefill program), adding its run_seconds to the row."""
+        t = time.perf_counter()
+        if row["program"] == "decode":
+            self._run_padding_step(row["batch"], row["ctx_len"], row["sampling"], row["draft"], row["top_logprobs"])
+        elif row["program"] == "forward":
+            self._run_padding_forward(row["batch"], row["ctx_len"])
+        elif row["program"] == "sample":
+            self._run_padding_sample(row["batch"], row["sampling"], row["top_logprobs"], mask_words,
+                                     logits_sharding[row["batch"]])
+        elif row["program"] == "spec_split":
+            self._run_padding_spec_split(row["batch"], row["ctx_len"], row["draft"], sampling, tops, mask_words)
+        else:
+            return
+        row["run_seconds"] = time.perf_counter() - t
 
     def _no_host_drafts(self, B: int):
         """Empty host n-gram drafts for B rows (None for drafters that draft on the device)."""

@@ -365,7 +365,11 @@ def test_ctrl_c_inside_a_step_waits_for_the_step(llm, monkeypatch):
         llm.generate(["Once upon a time"], params)
     monkeypatch.setattr(steps.StepOutput, "__init__", init)
     assert len(calls) >= 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Between steps a SIGINT is Python's KeyboardInterrupt, at once, as before the engine ran.
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # (the handler runs at one of the next bytecodes)
+            pass
     assert llm.generate(["Hello"], params)[0].token_ids == want
     for out in stream:
         got += out.new_token_ids
@@ -382,3 +386,99 @@ def test_a_stream_resumed_after_close_says_the_engine_is_closed():
     llm.close()
     with pytest.raises(EngineClosedError):
         next(stream)
+
+
+def _interrupt_after(monkeypatch, obj, name, nth):
+    """Make obj.name send this process a SIGINT as its nth call returns (after a program
+    took the donated state, before the runner keeps the new one)."""
+    import os
+    import signal
+
+    original, calls = getattr(obj, name), []
+
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == nth:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(obj, name, wrapped)
+    return calls
+
+
+def test_ctrl_c_in_a_warmup_or_a_direct_engine_step_leaves_the_engine_working(monkeypatch):
+    """Ctrl-C while the warm-up runs its programs on padding rows, or while Engine.drain
+    steps, used to leave the runner holding donated (deleted) buffers: every later step
+    failed. The interrupt now comes after the run or the step, and the engine goes on."""
+    llm = LLM(None, max_running_requests=2, max_context_len=64, kv_cache_tokens=256, page_size=8)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    want = llm.generate(["Hello"], params)[0].token_ids
+    runner = llm.engine.runner
+    calls = _interrupt_after(monkeypatch, runner, "_call_decode", 1)
+    with pytest.raises(KeyboardInterrupt):
+        llm.warmup(batch_sizes=[1, 2], ctx_lens=[64])
+    assert calls
+    monkeypatch.undo()
+    assert llm.generate(["Hello"], params)[0].token_ids == want
+    # Engine's own API: the interrupt ends drain() after a step; the next drain finishes the request.
+    engine = llm.engine
+    engine.add_request("direct", engine.tokenizer.encode("Hello"), params)
+    _interrupt_after(monkeypatch, runner, "_call_decode", 2)
+    with pytest.raises(KeyboardInterrupt):
+        engine.drain()
+    monkeypatch.undo()
+    finals = [o for o in engine.drain() if o.finished]
+    assert [o.token_ids for o in finals] == [want]
+    engine.check_integrity()
+    llm.close()
+
+
+def test_an_ignored_sigint_stays_ignored_in_a_step(monkeypatch):
+    """Where SIGINT is ignored (the server's engine process), a signal during a step does nothing."""
+    import signal
+
+    llm = LLM(None, max_running_requests=2, max_context_len=64, kv_cache_tokens=256, page_size=8)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    want = llm.generate(["Hello"], params)[0].token_ids
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _interrupt_after(monkeypatch, llm.engine.runner, "_call_decode", 2)
+        assert llm.generate(["Hello"], params)[0].token_ids == want
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    llm.close()
+
+
+def test_calls_from_two_threads_take_turns(llm):
+    """The engine is single-threaded; LLM calls from several threads take turns a step at a
+    time, and each gets its own outputs (they used to swap tokens or fail on donated buffers)."""
+    import concurrent.futures
+
+    prompts = [["Once upon a time", "Hello"], ["The capital of France is", "A B C D"]]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [[r.token_ids for r in llm.generate(p, params)] for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            futures = [pool.submit(llm.generate, p, params) for p in prompts]
+            assert [[r.token_ids for r in f.result()] for f in futures] == want
+    llm.engine.check_integrity()
+
+
+def test_malformed_arguments_are_invalid_requests(llm):
+    from jaxoverlap.errors import InvalidRequestError
+
+    for prompts in (None, 5, {"a": 1}):
+        with pytest.raises(InvalidRequestError, match="prompts must be"):
+            llm.generate(prompts)
+    with pytest.raises(InvalidRequestError, match="sampling_params"):
+        llm.generate(["a"], "xy")
+    # Token ids in loglikelihood are checked as generate checks them (they were truncated).
+    for bad in ([5.9, 7.2], [True, 7], ["5", "7"]):
+        with pytest.raises(InvalidRequestError, match="integers"):
+            llm.loglikelihood([(bad, [8])])
+    with pytest.raises(InvalidRequestError, match="integers"):
+        llm.loglikelihood_rolling([[5.5, 6.0]])
+    with pytest.raises(InvalidRequestError, match="pairs"):
+        llm.loglikelihood(["ab"])
+    assert llm.loglikelihood([([5, 7], [8])]) == llm.loglikelihood([(np.array([5, 7]), (8,))])

@@ -291,6 +291,9 @@ def test_a_sliding_window_bounds_the_served_context(hf_checkpoint):
     assert make_engine(cfg=tiny, max_context_len=40).max_context_len == 40
     with pytest.raises(ValueError, match="sliding window"):
         make_engine(cfg=tiny, max_context_len=41)
+    # Without a window, a context past max_position_embeddings is served, with a warning.
+    long = dataclasses.replace(tiny, model_type="qwen3", attention_window=None, max_position_embeddings=40)
+    assert make_engine(cfg=long, max_context_len=48).max_context_len == 48
 
 
 def test_eos_ids_of_generation_config_without_a_tokenizer(tmp_path):
