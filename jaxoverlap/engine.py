@@ -407,16 +407,34 @@ class Engine:
 
     # -- set-up helpers -------------------------------------------------------------------------
     def _attention_fn(self):
+        from jaxoverlap.pallas_kernels.decode import MAX_ROWS
+
         backend = self.config.attention_backend
+        # The models whose attention the kernels would run (the target's, a drafter's).
+        cfgs = [self.model_config]
+        if self.drafter is not None and getattr(self.drafter.spec.draft_cfg, "head_dim", None):
+            cfgs.append(self.drafter.spec.draft_cfg)
+        unfit = next((f"head_dim {c.head_dim}" for c in cfgs if c.head_dim & (c.head_dim - 1) or c.head_dim < 16),
+                     None)  # the kernels' tiles are powers of two of at least 16 (pallas_kernels/_tile.py)
         if backend == "auto":
             # Measured on the H200 (benchmarks/RESULTS.md): the Pallas kernels read the cache
             # at 3-4x the XLA gather path's speed. On CPU they would only run interpreted.
             # With tensor parallelism they run per device under shard_map (self.mesh).
             backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+            if backend == "pallas" and unfit:
+                logger.warning("attention runs on the XLA path: the Pallas kernels need a power-of-two head_dim "
+                               ">= 16, and this model has %s", unfit)
+                backend = "xla"
         if backend == "xla":
             return None
+        if unfit:
+            raise ValueError(f"attention_backend='pallas' needs a power-of-two head_dim >= 16, and this model has "
+                             f"{unfit}: use attention_backend='xla' (or 'auto')")
+        # The fused decode kernel holds one KV head's query heads in one tile: with more, the
+        # decode steps use the unfused kernels, which split them.
+        fits_fused = all(c.num_heads // c.num_kv_heads <= MAX_ROWS for c in cfgs)
         return _pallas_attention(interpret=jax.default_backend() != "gpu", mesh=self.mesh,
-                                 fuse_decode=not self.config.disable_fused_decode)
+                                 fuse_decode=not self.config.disable_fused_decode and fits_fused)
 
     def _kv_tokens_from_memory(self, table_width: int, layout: dict) -> int:
         """The KV-cache tokens that `kv_cache_memory_fraction` of the first device's free

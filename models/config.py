@@ -74,6 +74,11 @@ class ModelConfig:
     # so the engine serves contexts of at most this many tokens (Engine's max_context_len).
     attention_window: int | None = None
 
+    def __post_init__(self):
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
+                             f"(each KV head serves a group of query heads)")
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -127,7 +132,7 @@ class ModelConfig:
             scaling = rope_params
         if scaling is not None:
             scaling = tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict))))
-        config = cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -147,6 +152,10 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             attention_window=_attention_window(cfg, model_type),
         )
+        try:
+            config = cls(**fields)
+        except ValueError as e:  # a config whose shapes do not fit together
+            raise CheckpointError(str(e)) from None
         try:  # an unsupported RoPE scaling is refused at load, not at the first forward
             config.rope_inv_freq()
         except ValueError as e:

@@ -49,3 +49,40 @@ def test_fused_decode_matches_unfused_and_xla(model_type, monkeypatch):
         outs[name] = {k: v.token_ids for k, v in finals.items()}
     assert all(len(t) == 10 for t in outs["fused"].values())
     assert outs["fused"] == outs["unfused"] == outs["xla"]
+
+
+def test_shapes_the_kernels_do_not_take(monkeypatch, caplog):
+    """More than 64 query heads per KV head: the fused decode kernel (one tile per KV head)
+    gives way to the unfused kernels, with the XLA path's tokens. A head_dim the kernels'
+    tiles do not take: refused when the Pallas backend is asked for, the XLA path under
+    "auto" (on a GPU, with a warning). It used to fail at the first step in both cases."""
+    import logging
+
+    import jax
+
+    from jaxoverlap import engine as engine_module
+
+    cfg = tiny_config("llama", num_heads=128, num_kv_heads=1, head_dim=16)
+    rng = np.random.default_rng(3)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    work = {0: [("a", [int(t) for t in rng.integers(0, VOCAB, size=5)], params)]}
+    outs = {}
+    for backend in ("xla", "pallas"):
+        eng = make_engine(cfg, attention_backend=backend, max_context_len=32, batch_buckets=(1,),
+                          chunked_prefill_size=16, kv_cache_tokens=64)
+        if backend == "pallas":
+            assert eng.runner.attention.fused_decode is None
+        outs[backend] = run_workload(eng, work)["a"].token_ids
+    assert outs["pallas"] == outs["xla"] and len(outs["xla"]) == 4
+
+    odd = tiny_config("qwen3", head_dim=24)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        make_engine(odd, attention_backend="pallas")
+    eng = make_engine(odd)  # "auto" on CPU: the XLA path
+    assert not isinstance(eng.runner.attention, PallasAttention)
+    monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
+    with caplog.at_level(logging.WARNING, logger="jaxoverlap"):
+        assert eng._attention_fn() is None
+    assert "head_dim 24" in caplog.text
+    monkeypatch.undo()
+    assert jax.default_backend() == "cpu"

@@ -261,6 +261,7 @@ def test_configs_that_change_the_math_are_refused_at_load():
         "yarn": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
         "linear": ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, "'linear'"),
     }
+    refused["heads"] = ({"num_attention_heads": 6, "num_key_value_heads": 4}, "multiple of num_kv_heads")
     for name, (change, match) in refused.items():
         with pytest.raises(CheckpointError, match=match):
             ModelConfig.from_hf_dict({**base, **change})
