@@ -64,6 +64,7 @@ class LLM:
         # The engine is single-threaded: calls from several threads take turns, a step (and the
         # filing of its outputs) at a time, so each thread's outputs are still its own.
         self._lock = threading.RLock()
+        self._stepping = False
 
     def close(self) -> None:
         """Free the engine's device memory now (Engine.close); the LLM cannot generate after."""
@@ -152,7 +153,12 @@ class LLM:
                 # Ctrl-C waits for the step and the filing of its outputs: a paused stream's
                 # tokens are not dropped (the step itself defers it too: interrupts.py).
                 with interrupts.deferred():
-                    for out in self.engine.step():
+                    self._stepping = True
+                    try:
+                        outs = self.engine.step()
+                    finally:
+                        self._stepping = False
+                    for out in outs:
                         box = self._routes.get(out.request_id)
                         if box is not None:  # not: a request given up, or one added to the engine directly
                             box.append(out)
@@ -183,6 +189,19 @@ class LLM:
             for rid in ids:
                 self._routes.pop(rid, None)
                 self.engine.abort(rid)  # False for those never queued or already done
+            self._settle()
+
+    def _settle(self) -> None:
+        """With no call left open, finish what the engine holds of the calls before: the
+        overlap loop's step in flight, and the aborts of a call given up. The engine is then
+        idle between calls (has_work() is False; set_overlap may switch loops), unless it
+        runs requests added to it directly, which are left to their owner's steps."""
+        engine = self.engine
+        if (self._routes or engine.closed or self._stepping
+                or any(not r.abort_requested for r in engine.requests.values())):
+            return  # (_stepping: a stream given up from within a step, e.g. by the collector)
+        while engine.has_work():
+            engine.step()  # every output here is of a request no call waits for
 
     def chat(self, conversations, sampling_params=None, *, use_tqdm: bool = False,
              add_generation_prompt: bool = True, **template_kwargs) -> list[GenerationResult]:

@@ -83,7 +83,7 @@ def test_streamed_stop_strings_hold_back_only_a_possible_stop(llm):
 
 
 def test_bad_prompt_in_a_batch_rejects_the_call_and_leaves_nothing(llm):
-    llm.engine.drain()  # an earlier call may have left its last step in flight
+    assert not llm.engine.has_work()  # calls end with the engine idle (LLM._settle)
     generated = llm.engine.tokens_generated
     with pytest.raises(ValueError, match="empty prompt"):
         llm.generate(["fine", ""], SamplingParams(max_new_tokens=4))
@@ -482,3 +482,29 @@ def test_malformed_arguments_are_invalid_requests(llm):
     with pytest.raises(InvalidRequestError, match="pairs"):
         llm.loglikelihood(["ab"])
     assert llm.loglikelihood([([5, 7], [8])]) == llm.loglikelihood([(np.array([5, 7]), (8,))])
+
+
+def test_the_engine_is_idle_between_calls():
+    """A finished call, a stream given up, or one interrupted leave the engine idle: no step
+    in flight, no aborts waiting for a step, so loops may be switched right after."""
+    llm = LLM(None, max_running_requests=2, max_context_len=64, kv_cache_tokens=256, page_size=8)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    want = llm.generate(["Hello"], params)[0].token_ids
+    assert not llm.engine.has_work()
+    llm.engine.set_overlap(False)
+    assert llm.generate(["Hello"], params)[0].token_ids == want
+    llm.engine.set_overlap(True)
+    stream = llm.generate_stream(["Hello", "Once upon a time"], params)
+    next(stream)
+    other = llm.generate_stream("Hi", params)
+    next(other)
+    stream.close()  # another call is open: its requests run on
+    assert llm.engine.has_work()
+    other.close()
+    assert not llm.engine.has_work() and not llm.engine.requests
+    # Requests added to the engine directly are left to their owner's steps.
+    llm.engine.add_request("mine", [5, 6, 7], dataclasses.replace(params, max_new_tokens=50))
+    assert llm.generate(["Hello"], params)[0].token_ids == want
+    assert "mine" in llm.engine.requests and llm.engine.has_work()
+    assert [o.request_id for o in llm.engine.drain() if o.finished] == ["mine"]
+    llm.close()
