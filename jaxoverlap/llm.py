@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import itertools
 import numbers
+import sys
 import threading
 from typing import Iterator, Sequence
 
@@ -189,7 +190,11 @@ class LLM:
             for rid in ids:
                 self._routes.pop(rid, None)
                 self.engine.abort(rid)  # False for those never queued or already done
-            self._settle()
+            # Not while an error or Ctrl-C ends the call: the next call's steps finish this
+            # (a broken engine would raise again here, over the first error).
+            failing = sys.exc_info()[1]
+            if failing is None or isinstance(failing, GeneratorExit):
+                self._settle()
 
     def _settle(self) -> None:
         """With no call left open, finish what the engine holds of the calls before: the
