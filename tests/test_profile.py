@@ -286,10 +286,13 @@ def test_profile_compiles_every_decode_program_before_timing():
 
     from jaxoverlap.profiling import capture
 
-    engine = make_engine(speculative_algorithm="ngram_device", speculative_num_steps=2)
-    w = capture.Workload(batch_size=4, prompt_len=12, new_tokens=14)
+    # Pages of 16 and contexts of 64, 128, 256: the reservation's slack of two pages takes
+    # the last steps past 64 (the profile left it out, and the timed runs compiled).
+    engine = make_engine(speculative_algorithm="ngram_device", speculative_num_steps=2, page_size=16,
+                         max_context_len=256)
+    w = capture.Workload(batch_size=4, prompt_len=20, new_tokens=14)
     batch_sizes, ctx_lens = capture.decode_programs(engine, w)
-    assert batch_sizes == [1, 2, 4] and ctx_lens and ctx_lens[-1] >= 12 + 14
+    assert batch_sizes == [1, 2, 4] and ctx_lens == [64, 128]
     engine.warmup(batch_sizes, ctx_lens)
 
     compiled = []
@@ -508,9 +511,13 @@ def test_profile_cli_refuses_options_it_cannot_honour(tmp_path):
                            (["--skip", "-1"], "--skip must be >= 0"), (["--disable-overlap"], "drop --disable-overlap"),
                            (["--batch-size", "2", "0"], "--batch-size must be >= 1, got 0"),
                            (["--prompt-len", "0"], "--prompt-len must be >= 1, got 0"),
+                           (["--batch-size", "2", "2"], "lists a size twice"),
                            ([], r"error: .*No such file .*no-model")):  # the model folder is not there
         with pytest.raises(SystemExit, match=message):
             main(base + extra)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="--out .*file: File exists"):
+        main(["profile", "--out", str(tmp_path / "file"), "--model", str(tmp_path / "no-model")])
 
 
 def test_profile_cli_refuses_a_prompt_the_engine_cannot_take_before_any_run(tmp_path, monkeypatch):
@@ -521,8 +528,13 @@ def test_profile_cli_refuses_a_prompt_the_engine_cannot_take_before_any_run(tmp_
         raise AssertionError("compiled and ran the workload before its requests were checked")
 
     monkeypatch.setattr(capture, "profile", no_profile)
-    with pytest.raises(SystemExit, match="--prompt-len 100: prompt has 100 tokens; .* at most 63 prompt tokens fit"):
+    with pytest.raises(SystemExit, match="--prompt-len 100 --new-tokens 10: prompt has 100 tokens; .* at most 63 "
+                                         "prompt tokens fit"):
         main(["profile", "--out", str(tmp_path / "p"), "--batch-size", "1", "--prompt-len", "100", "--new-tokens", "10",
+              "--max-running-requests", "4", "--max-context-len", "64", "--kv-cache-tokens", "512"])
+    # New tokens past the context: the engine would end each request early, with fewer tokens than asked.
+    with pytest.raises(SystemExit, match="24 prompt tokens \\+ 100 new tokens do not fit the context of 64"):
+        main(["profile", "--out", str(tmp_path / "p"), "--batch-size", "1", "--prompt-len", "24", "--new-tokens", "100",
               "--max-running-requests", "4", "--max-context-len", "64", "--kv-cache-tokens", "512"])
 
 

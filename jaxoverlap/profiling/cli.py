@@ -38,6 +38,8 @@ def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
         sys.exit(f"--skip must be >= 0, got {args.skip}")
     if min(args.batch_size) < 1:
         sys.exit(f"--batch-size must be >= 1, got {min(args.batch_size)}")
+    if len(set(args.batch_size)) < len(args.batch_size):  # each writes the same plots and traces
+        sys.exit(f"--batch-size lists a size twice: {args.batch_size}")
     if args.prompt_len < 1:
         sys.exit(f"--prompt-len must be >= 1, got {args.prompt_len}")
     if engine_options.get("disable_overlap"):
@@ -48,7 +50,14 @@ def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
     opts = dict(engine_options)
     if opts.get("max_running_requests", needed) < needed:
         sys.exit(f"--batch-size {needed} > --max-running-requests {opts['max_running_requests']}")
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        if not os.access(args.out, os.W_OK):
+            raise PermissionError(f"cannot write to {args.out}")
+    except OSError as e:
+        sys.exit(f"--out {args.out}: {e.strerror or e}")
+    if args.steps < 3 and not args.no_plots:
+        print(f"--steps {args.steps}: no timeline plot (it draws three consecutive decode steps)", file=sys.stderr)
     with exit_on_build_error():
         engine = Engine(EngineConfig.from_options(args.model, **opts))
     workloads = [capture.Workload(b, args.prompt_len, args.new_tokens) for b in args.batch_size]
@@ -56,7 +65,7 @@ def run_profile(args: argparse.Namespace, engine_options: dict) -> int:
         for w in workloads:
             capture.check_workload(engine, w)
     except InvalidRequestError as e:
-        sys.exit(f"--prompt-len {args.prompt_len}: {e}")
+        sys.exit(f"--prompt-len {args.prompt_len} --new-tokens {args.new_tokens}: {e}")
     print(f"profiling {engine.model_name} on {jax.devices()[0].device_kind} ({jax.default_backend()}): "
           f"batch {args.batch_size}, prompt {args.prompt_len}, {args.new_tokens} new tokens", file=sys.stderr)
     results = capture.profile(engine, workloads, repeats=args.repeats,
