@@ -228,6 +228,7 @@ def run_batch(llm, input_path: str, output_path: str, defaults: SamplingParams |
                 request = parse_request(line, line_number, defaults, llm.engine, chat_template_kwargs)
             except BatchInputError as e:
                 errors.append(e)
+                seen.add(_id_key(e.request_id))  # a later line with this id is a duplicate too
                 continue
             key = _id_key(request.id)
             if key in seen:

@@ -223,13 +223,21 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from jaxoverlap.llm import LLM
 
     # Checked before the model loads, so that a mistake costs no minutes.
-    if not os.path.exists(args.input):
-        sys.exit(f"no input file {args.input!r}")
+    if not os.path.isfile(args.input):
+        sys.exit(f"no input file {args.input!r}" + (" (it is a folder)" if os.path.isdir(args.input) else ""))
+    if os.path.isdir(args.output):
+        sys.exit(f"the output {args.output!r} is a folder: name a file")
     if os.path.exists(args.output) and not (args.resume or args.overwrite):
         sys.exit(f"{args.output} exists: pass --resume to continue it or --overwrite to start again")
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(folder):
         sys.exit(f"no folder {folder!r} for the output")
+    probe = args.output + ".tmp"  # run_batch rewrites the output through this file
+    try:
+        open(probe, "a").close()
+        os.remove(probe)
+    except OSError as e:
+        sys.exit(f"cannot write the output next to {args.output!r}: {e.strerror or e}")
     defaults = _checked_sampling_params(args)
     try:
         template_kwargs = json.loads(args.chat_template_kwargs)

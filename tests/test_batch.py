@@ -275,6 +275,9 @@ def test_cli_mistakes_are_refused_before_the_model_loads(tmp_path):
         (["generate", "a", "--system", "x"], "--system needs --chat"),
         (["batch", inp, "-o", str(tmp_path / "no-folder" / "out.jsonl")], "no folder"),
         (["batch", inp, "-o", str(tmp_path / "out.jsonl"), "--top-p", "0"], "top_p must be"),
+        (["batch", str(tmp_path), "-o", str(tmp_path / "out.jsonl")], "it is a folder"),
+        (["batch", inp, "-o", str(tmp_path), "--overwrite"], "is a folder: name a file"),
+        (["batch", inp, "-o", "/proc/out.jsonl"], "cannot write the output"),
     ]:
         with pytest.raises(SystemExit, match=message):
             main(args + nowhere)
@@ -359,3 +362,17 @@ def test_cli_structured_output_options(tmp_path, capsys):
         main(["generate", "Once", "--regex", "a+", "--choice", "x", *engine])
     with pytest.raises(SystemExit, match="neither a JSON object nor a readable file"):
         main(["generate", "Once", "--json-schema", str(tmp_path / "missing.json"), *engine])
+
+
+def test_an_id_used_by_an_error_line_is_a_duplicate_too(llm, tmp_path):
+    """The first line of an id decides it, whether it runs or gets an error: a later line
+    with the id is a duplicate (before, an error line and a result shared one id)."""
+    lines = [{"id": "a", "prompt": "Hi", "sampling_params": {"temperature": -1}},
+             {"id": "a", "prompt": "Hello"},
+             "not json",  # line 3: its id is its line number
+             {"id": 3, "prompt": "Hello"}]
+    out = str(tmp_path / "out.jsonl")
+    summary = run_batch(llm, write_lines(tmp_path / "in.jsonl", lines), out, DEFAULTS, progress=False)
+    records = read_records(out)
+    assert summary.generated == 0 and all("error" in r for r in records) and len(records) == 4
+    assert sum("used by an earlier line" in r["error"] for r in records) == 2
