@@ -476,6 +476,25 @@ class BenchConfig:
     save_requests: bool = False
     progress: bool = True
 
+    def check(self) -> None:
+        """ValueError for a config that cannot run, before anything connects."""
+        if not self.targets or len(self.targets) > 2:
+            raise ValueError("give one target, or two to compare")
+        if self.labels is not None and len(self.labels) != len(self.targets):
+            raise ValueError(f"give one label per target ({len(self.targets)}), got {len(self.labels)}")
+        if self.compare_mode not in ("alternating", "sequential"):
+            raise ValueError("compare_mode must be 'alternating' or 'sequential'")
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1 (or unset: no cap), got {self.max_concurrency}")
+        if self.rounds < 1 or self.warmup_requests < 0:
+            raise ValueError("rounds must be >= 1 and warmup_requests >= 0")
+        if self.dataset != "random" and not os.path.isfile(self.dataset):
+            raise ValueError(f"no dataset file {self.dataset!r} (give 'random' or a ShareGPT JSON file)")
+        if self.output_file not in (None, "-") and os.path.isdir(self.output_file):
+            raise ValueError(f"the output file {self.output_file!r} is a folder")
+
 
 def build_requests(cfg: BenchConfig, vocab_size: int, eos_ids: Sequence[int]) -> list[BenchRequest]:
     rng = random.Random(cfg.seed)
@@ -488,13 +507,8 @@ def build_requests(cfg: BenchConfig, vocab_size: int, eos_ids: Sequence[int]) ->
 
 
 async def benchmark(cfg: BenchConfig) -> dict:
-    if not cfg.targets or len(cfg.targets) > 2:
-        raise ValueError("give one target, or two to compare")
-    if cfg.compare_mode not in ("alternating", "sequential"):
-        raise ValueError("compare_mode must be 'alternating' or 'sequential'")
+    cfg.check()
     labels = cfg.labels or (["A", "B"][: len(cfg.targets)] if len(cfg.targets) == 2 else ["result"])
-    if len(labels) != len(cfg.targets):
-        raise ValueError("give one label per target")
     clients = [AsyncGenerationClient(t, token=cfg.token, tls_ca=cfg.tls_ca, tls=cfg.tls) for t in cfg.targets]
     try:
         infos = [await c.model_info(timeout=30) for c in clients]
@@ -642,16 +656,25 @@ def run_bench(args) -> int:
         LengthDist.parse(cfg.input_len)
         LengthDist.parse(cfg.output_len)
         arrival_offsets(1, cfg.request_rate, random.Random(0), cfg.burstiness)
-    except ValueError as e:  # (InvalidRequestError too)
+        cfg.check()
+        path = cfg.output_file
+        if path is None:
+            path = os.path.join("results", f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+        if path != "-":  # the results' file is made now, not after the whole run
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            open(path, "a").close()
+    except (ValueError, OSError) as e:  # (InvalidRequestError too)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = asyncio.run(benchmark(cfg))
+    import grpc
+
+    try:
+        report = asyncio.run(benchmark(cfg))
+    except grpc.RpcError as e:  # a server that is not there, or that failed the run
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     print(format_table(report["results"]))
-    path = cfg.output_file
-    if path is None:
-        path = os.path.join("results", f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     if path != "-":
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
         print(f"wrote {path}")

@@ -107,6 +107,28 @@ def test_length_dist_and_arrivals():
     assert offs == sorted(offs) and abs(offs[-1] / 4000 - 0.01) < 0.001  # mean gap 1/rate
 
 
+def test_bench_refuses_a_config_that_cannot_run_before_connecting(tmp_path, capsys):
+    """Each mistake is a one-line error (exit 2) before anything connects, and the results'
+    file is made before the run (it used to fail after the whole benchmark, losing it)."""
+    import argparse
+
+    parser = bench.add_bench_args(argparse.ArgumentParser())
+    nowhere = ["--target", "127.0.0.1:1"]  # nothing listens: a connect would fail differently
+    for extra, message in ((["--num-prompts", "0"], "num_prompts must be >= 1"),
+                           (["--max-concurrency", "-1"], "max_concurrency must be >= 1"),
+                           (["--dataset", str(tmp_path / "none.json")], "no dataset file"),
+                           (["--label", "a", "--label", "b"], "one label per target"),
+                           (["--target", "127.0.0.1:2", "--target", "127.0.0.1:3"], "one target, or two"),
+                           (["--output-file", str(tmp_path)], "is a folder"),
+                           (["--output-file", "/proc/nowhere/bench.json"], "error: ")):
+        assert bench.run_bench(parser.parse_args(nowhere + extra)) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    # A server that is not there: one line, exit 1, no traceback.
+    code = bench.run_bench(parser.parse_args(nowhere + ["--output-file", "-", "--request-timeout", "2"]))
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: UNAVAILABLE") and "Traceback" not in err
+
+
 def test_burstiness_keeps_the_rate_and_changes_the_spread():
     """Gamma gaps of shape b: the mean stays 1/rate, the coefficient of variation is 1/sqrt(b)
     (1 for Poisson)."""
