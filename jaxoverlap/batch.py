@@ -260,6 +260,13 @@ def run_batch(llm, input_path: str, output_path: str, defaults: SamplingParams |
                                          use_tqdm=progress)
         for index, result in results:
             request, sample_index, _ = work[index]
+            if result.error is not None:  # ended by the engine (a grammar refused after queueing): --resume retries it
+                record = _error_record(BatchInputError(request.id, result.error, request.metadata))
+                if request.params.n > 1:
+                    record["sample_index"] = sample_index
+                write(record)
+                summary.errors += 1
+                continue
             write(_result_record(request, sample_index, result))
             summary.generated += 1
             summary.prompt_tokens += result.metrics.prompt_tokens

@@ -3,6 +3,7 @@ equal LLM.generate's, a bad line gets an error result while the rest run, and an
 run resumed gives each id exactly once with the same tokens as an uninterrupted run."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -376,3 +377,24 @@ def test_an_id_used_by_an_error_line_is_a_duplicate_too(llm, tmp_path):
     records = read_records(out)
     assert summary.generated == 0 and all("error" in r for r in records) and len(records) == 4
     assert sum("used by an earlier line" in r["error"] for r in records) == 2
+
+
+def test_a_request_the_engine_ends_with_an_error_gets_an_error_line(llm, tmp_path, monkeypatch):
+    """A result carrying an error (a grammar the engine refused after queueing) is written as
+    an error line, which --resume tries again, not as a result."""
+    real = llm.generate_unordered
+
+    def failing_first(prompts, params, **kw):
+        for index, result in real(prompts, params, **kw):
+            yield index, dataclasses.replace(result, error="refused" if index == 0 else None)
+
+    monkeypatch.setattr(llm, "generate_unordered", failing_first)
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hi"}, {"id": "b", "prompt": "Hello"}])
+    out = str(tmp_path / "out.jsonl")
+    summary = run_batch(llm, inp, out, DEFAULTS, progress=False)
+    assert summary.errors == 1 and summary.generated == 1
+    assert {r["id"]: r.get("error") for r in read_records(out)} == {"a": "refused", "b": None}
+    monkeypatch.undo()
+    summary = run_batch(llm, inp, out, DEFAULTS, progress=False, resume=True)
+    assert summary.generated == 1 and summary.done_before == 1
+    assert sorted(r["id"] for r in read_records(out) if "error" not in r) == ["a", "b"]
