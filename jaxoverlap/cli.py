@@ -227,6 +227,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         sys.exit(f"no input file {args.input!r}" + (" (it is a folder)" if os.path.isdir(args.input) else ""))
     if os.path.isdir(args.output):
         sys.exit(f"the output {args.output!r} is a folder: name a file")
+    if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
+        sys.exit(f"the output {args.output!r} is the input file: name another")
     if os.path.exists(args.output) and not (args.resume or args.overwrite):
         sys.exit(f"{args.output} exists: pass --resume to continue it or --overwrite to start again")
     folder = os.path.dirname(os.path.abspath(args.output))

@@ -279,6 +279,7 @@ def test_cli_mistakes_are_refused_before_the_model_loads(tmp_path):
         (["batch", str(tmp_path), "-o", str(tmp_path / "out.jsonl")], "it is a folder"),
         (["batch", inp, "-o", str(tmp_path), "--overwrite"], "is a folder: name a file"),
         (["batch", inp, "-o", "/proc/out.jsonl"], "cannot write the output"),
+        (["batch", inp, "-o", inp, "--resume"], "is the input file"),
     ]:
         with pytest.raises(SystemExit, match=message):
             main(args + nowhere)
