@@ -672,6 +672,8 @@ def run_bench(args) -> int:
         report = asyncio.run(benchmark(cfg))
     except grpc.RpcError as e:  # a server that is not there, or that failed the run
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        if path != "-" and os.path.getsize(path) == 0:
+            os.remove(path)  # made above, and nothing to put in it
         return 1
     print(format_table(report["results"]))
     if path != "-":

@@ -124,9 +124,11 @@ def test_bench_refuses_a_config_that_cannot_run_before_connecting(tmp_path, caps
         assert bench.run_bench(parser.parse_args(nowhere + extra)) == 2, extra
         assert message in capsys.readouterr().err, extra
     # A server that is not there: one line, exit 1, no traceback.
-    code = bench.run_bench(parser.parse_args(nowhere + ["--output-file", "-", "--request-timeout", "2"]))
+    out = tmp_path / "bench.json"
+    code = bench.run_bench(parser.parse_args(nowhere + ["--output-file", str(out), "--request-timeout", "2"]))
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("error: UNAVAILABLE") and "Traceback" not in err
+    assert not out.exists()
 
 
 def test_burstiness_keeps_the_rate_and_changes_the_spread():
