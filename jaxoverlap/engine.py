@@ -407,15 +407,15 @@ class Engine:
 
     # -- set-up helpers -------------------------------------------------------------------------
     def _attention_fn(self):
+        from jaxoverlap.pallas_kernels._tile import head_dim_fits
         from jaxoverlap.pallas_kernels.decode import MAX_ROWS
 
         backend = self.config.attention_backend
         # The models whose attention the kernels would run (the target's, a drafter's).
         cfgs = [self.model_config]
-        if self.drafter is not None and getattr(self.drafter.spec.draft_cfg, "head_dim", None):
+        if self.drafter is not None and self.drafter.spec.draft_cfg is not None:
             cfgs.append(self.drafter.spec.draft_cfg)
-        unfit = next((f"head_dim {c.head_dim}" for c in cfgs if c.head_dim & (c.head_dim - 1) or c.head_dim < 16),
-                     None)  # the kernels' tiles are powers of two of at least 16 (pallas_kernels/_tile.py)
+        unfit = next((f"head_dim {c.head_dim}" for c in cfgs if not head_dim_fits(c.head_dim)), None)
         if backend == "auto":
             # Measured on the H200 (benchmarks/RESULTS.md): the Pallas kernels read the cache
             # at 3-4x the XLA gather path's speed. On CPU they would only run interpreted.

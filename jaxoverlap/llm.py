@@ -231,7 +231,7 @@ class LLM:
         appended to the context's ids. Uses SamplingParams(prompt_logprobs=True)."""
         prompts, starts, params = [], [], []
         for pair in requests:
-            if isinstance(pair, str) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise InvalidRequestError(f"loglikelihood takes (context, continuation) pairs, got {pair!r:.80}")
             context, continuation = pair
             ctx = self._ids_of(context, special=True)

@@ -139,9 +139,14 @@ def check_shapes(q, k_cache, v_cache):
         raise ValueError(f"head_dim mismatch: q {head_dim}, cache {k_cache.shape[3]}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} not a multiple of {num_kv_heads=}")
-    if head_dim & (head_dim - 1) or head_dim < 16:
+    if not head_dim_fits(head_dim):
         raise NotImplementedError(f"Pallas path needs a power-of-two head_dim >= 16, got {head_dim}")
     return num_heads // num_kv_heads
+
+
+def head_dim_fits(head_dim: int) -> bool:
+    """Whether the kernels' tiles take this head_dim: a power of two of at least 16."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
 def next_pow2(x: int) -> int:
@@ -150,5 +155,5 @@ def next_pow2(x: int) -> int:
 
 __all__ = [
     "row_map", "attend_blocks", "visible_blocks", "normalize", "store_rows",
-    "store_row_stats", "check_shapes", "next_pow2",
+    "store_row_stats", "check_shapes", "head_dim_fits", "next_pow2",
 ]
