@@ -47,6 +47,18 @@ def keep_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(allowed_mask(allowed, logits.shape[-1]), logits, -jnp.inf)
 
 
+def keep_allowed_after_rules(raw: jax.Array, ruled: jax.Array, allowed: jax.Array) -> jax.Array:
+    """`ruled` (the raw logits [..., V] after penalties, logit_bias and min_new_tokens, as
+    float32) with -inf wherever the bitmask `allowed` forbids the token. Where the grammar
+    allows only tokens that min_new_tokens bans (the stop tokens: the grammar can only end
+    there), the grammar wins, as no token could be chosen otherwise: those rows keep the raw
+    logits under the mask. (The other rules are finite, so only that ban empties a row.)"""
+    keep = allowed_mask(allowed, raw.shape[-1])
+    masked = jnp.where(keep, ruled, -jnp.inf)
+    stuck = jnp.max(masked, axis=-1, keepdims=True) == -jnp.inf  # [..., 1]
+    return jnp.where(stuck & keep, raw.astype(masked.dtype), masked)
+
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampling: bool = True, penalties=None,
            allowed=None):
     """logits [B, V] float32; per-row params [B]; positions [B] of the token being sampled.
@@ -62,14 +74,19 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, sampli
     logit bias); the token is chosen from the logits those rules give, greedy rows too.
 
     `allowed`: None, or [B, ceil(V / 32)] int32, each row's allowed tokens as a bitmask
-    (structured output): the others are set to -inf before the choice, greedy rows too.
+    (structured output): the others are set to -inf before the choice, greedy rows too
+    (`keep_allowed_after_rules`: where min_new_tokens bans all the grammar allows, the
+    grammar wins).
 
     Returns (tokens [B] int32, logprobs [B] float32 of the chosen tokens under the raw model
     distribution).
     """
-    chosen_from = logits if penalties is None else apply_penalties(logits, positions, *penalties)
-    if allowed is not None:
-        chosen_from = keep_allowed(chosen_from, allowed)
+    if penalties is None:
+        chosen_from = logits if allowed is None else keep_allowed(logits, allowed)
+    else:
+        chosen_from = apply_penalties(logits, positions, *penalties)
+        if allowed is not None:
+            chosen_from = keep_allowed_after_rules(logits, chosen_from, allowed)
     tokens = jnp.argmax(chosen_from, axis=-1).astype(jnp.int32)
     if sampling:
         sampled = _sample_filtered(chosen_from, temperature, top_k, top_p, min_p, seeds, positions)

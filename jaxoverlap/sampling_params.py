@@ -163,9 +163,6 @@ class SamplingParams:
             bad(f"prompt_logprobs_start must be an integer >= 1, got {self.prompt_logprobs_start!r}")
         if self.stop and not self.detokenize:
             bad("stop strings need the engine's text: detokenize must be True")
-        if self.structured_output is not None and self.min_new_tokens:
-            # The grammar may allow only EOS where min_new_tokens forbids it.
-            bad("min_new_tokens cannot be combined with structured_output (its grammar decides where output ends)")
 
 
 def _finite(x) -> bool:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxoverlap import LLM, SamplingParams
-from test_structured_output import COLORS, REGEX, SCHEMA, _check_schema, log_split_launches
+from test_structured_output import (COLORS, REGEX, SCHEMA, _check_schema, check_min_new_tokens, log_split_launches,
+                                    min_new_tokens_params)
 
 DRAFTERS = ["ngram_device", "ngram", "eagle"]
 
@@ -178,6 +179,18 @@ def test_window_masks_follow_the_drafts():
         assert yes[j] in _bits(mask[0, j]) and bad not in _bits(mask[0, j])
     assert (mask[0, len(yes):] == -1).all()
     assert not choice.is_stopped() and choice.consume_tokens(yes) and choice.is_stopped()
+
+
+def test_min_new_tokens_in_verification():
+    """min_new_tokens bans EOS in each window position that the grammar lets continue; the
+    tokens equal the plain engine's (greedy)."""
+    with _engine() as llm:
+        plain = [r.token_ids for r in llm.generate(["Once upon a time"] * 3, min_new_tokens_params(llm, 6))]
+    for algorithm in ("ngram_device", "eagle"):
+        with _engine(algorithm) as llm:
+            results = llm.generate(["Once upon a time"] * 3, min_new_tokens_params(llm, 6))
+            check_min_new_tokens(results, 6)
+            assert [r.token_ids for r in results] == plain
 
 
 def test_a_grammar_that_ends_inside_the_window():

@@ -215,9 +215,71 @@ def test_bad_constraints_are_refused_and_others_keep_running(llm, constraint, ma
     assert len(ok.token_ids) == 4
 
 
-def test_what_cannot_be_combined_is_refused():
-    with pytest.raises(InvalidRequestError, match="min_new_tokens"):
-        SamplingParams(min_new_tokens=2, structured_output={"regex": "a+"})
+def min_new_tokens_params(llm, min_new_tokens: int) -> list[SamplingParams]:
+    """EOS made the model's favourite (logit_bias +100): a free regex ends at its first
+    token unless min_new_tokens bans EOS; a choice is complete after its word whatever
+    min_new_tokens asks."""
+    eos = {t: 100.0 for t in sorted(llm.engine.eos_token_ids)}
+    return [SamplingParams(max_new_tokens=24, temperature=0.0, logit_bias=eos, min_new_tokens=m,
+                           structured_output={"regex": "[a-z ]{1,400}"}) for m in (0, min_new_tokens)] + [
+        SamplingParams(max_new_tokens=24, temperature=0.0, logit_bias=eos, min_new_tokens=min_new_tokens,
+                       structured_output={"choice": COLORS})]
+
+
+def check_min_new_tokens(results, min_new_tokens: int) -> None:
+    free, held, choice = results
+    for r in results:
+        assert r.finish_reason == "stop", (r.text, r.finish_reason)
+    assert re.fullmatch("[a-z ]{1,400}", free.text) and len(free.token_ids) <= 2, free.token_ids  # a token (+ EOS)
+    # EOS banned for min_new_tokens tokens, chosen at once after them.
+    assert re.fullmatch("[a-z ]{1,400}", held.text) and len(held.token_ids) in (min_new_tokens, min_new_tokens + 1)
+    # The grammar wins: where it allows only EOS, EOS (or the grammar's end) it is, never a stray token.
+    assert choice.text in COLORS and len(choice.token_ids) < min_new_tokens, choice.token_ids
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_min_new_tokens_with_structured_output(llm, overlap):
+    llm.engine.drain()
+    llm.engine.set_overlap(overlap)
+    try:
+        check_min_new_tokens(llm.generate(["Once upon a time"] * 3, min_new_tokens_params(llm, 6)), 6)
+    finally:
+        llm.engine.drain()
+        llm.engine.set_overlap(True)
+
+
+def test_a_grammar_that_allows_only_banned_tokens_wins():
+    """sampling.sample where min_new_tokens bans every token the grammar allows (row 0: the
+    stop tokens 7 and 9), and where it leaves one (row 1: 3 besides 7): greedy and sampled."""
+    import jax.numpy as jnp
+
+    from jaxoverlap import penalties
+    from jaxoverlap.sampling import sample
+
+    V = 40
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, V)), jnp.float32).at[0, 9].set(5.0).at[0, 7].set(4.0)
+    history = np.zeros((2, V), np.int32)
+    history[:, [7, 9]] = penalties.STOP
+    allowed = np.zeros((2, 2), np.int32)  # [2 rows, ceil(40 / 32) words]
+    allowed[0, 0] = (1 << 7) | (1 << 9)
+    allowed[1, 0] = (1 << 3) | (1 << 7)
+    rules = (jnp.asarray(history), jnp.tile(jnp.asarray(penalties.NEUTRAL, jnp.float32), (2, 1)),
+             jnp.asarray([100, 100], jnp.int32), jnp.full((2, 1), -1, jnp.int32), jnp.zeros((2, 1), jnp.float32))
+    positions = jnp.asarray([5, 5], jnp.int32)
+    for temperature in (0.0, 1.0):
+        for seed in range(4 if temperature else 1):
+            t = jnp.full((2,), temperature, jnp.float32)
+            tokens, logprobs = sample(logits, t, jnp.zeros((2,), jnp.int32), jnp.ones((2,), jnp.float32),
+                                      jnp.zeros((2,), jnp.float32), jnp.full((2,), seed, jnp.int32), positions,
+                                      penalties=rules, allowed=jnp.asarray(allowed))
+            first, second = np.asarray(tokens).tolist()
+            assert (first == 9) if not temperature else first in (7, 9)
+            assert second == 3
+            assert np.isfinite(np.asarray(logprobs)).all()
+
+
+def test_constraint_dicts_are_one_hashable_constraint():
     # Dicts and "json" (vLLM's name) become the same constraint, hashable for the grammar cache;
     # the schema's keys keep their order (its properties are written in that order).
     a = StructuredOutput.of({"json": {"b": 1, "a": 2}})

@@ -35,7 +35,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams
 from jaxoverlap.models.transformer import forward, lm_logits, xla_paged_attention
 from jaxoverlap.penalties import PrefillPenaltyInputs
-from jaxoverlap.sampling import keep_allowed
+from jaxoverlap.sampling import keep_allowed, keep_allowed_after_rules
 from jaxoverlap.scatter import last_segments, set_rows
 from jaxoverlap.speculative import draft_model, eagle, ngram_device
 from jaxoverlap.speculative.spec_config import SpecConfig
@@ -261,7 +261,8 @@ def _accept_extend(params, dparams, state: DeviceState, inputs: DecodeInputs, dr
     # rejected like any other miss.
     rule_logits = None if rule_rows is None else penalties.apply_window(logits, lens, drafts, *rule_rows)
     if allowed is not None:
-        rule_logits = keep_allowed(logits if rule_logits is None else rule_logits, allowed)
+        rule_logits = (keep_allowed(logits, allowed) if rule_logits is None
+                       else keep_allowed_after_rules(logits, rule_logits, allowed))
     out_tokens, accept_len, logprobs = accept(logits, drafts, drafted.counts, drafted.probs, sp, lens,
                                               sampling=sampling, backend=spec.accept_backend, rule_logits=rule_logits)
     if rule_rows is not None:
