@@ -216,6 +216,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_BATCH_ERRORS = 3  # `jaxoverlap batch`: the run finished, but some lines got error lines
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     import os
 
@@ -259,7 +262,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
                   "to finish the rest", file=sys.stderr)
             return 130
     print_summary(summary)
-    return 0
+    # A line that ended as an error line is a failure a pipeline should see (it stays in the
+    # output, and --resume tries it again).
+    return EXIT_BATCH_ERRORS if summary.errors else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("batch", help="generate for every request of a JSONL file (offline evaluation)",
                        description="One JSON request per input line, one JSON result per output line, written "
                                    "as each request finishes; see jaxoverlap/batch.py for both formats. The "
-                                   "sampling options are the defaults that a line's sampling_params override.")
+                                   "sampling options are the defaults that a line's sampling_params override. "
+                                   f"Exit status {EXIT_BATCH_ERRORS} when some lines got error lines (the others "
+                                   "are written; --resume tries the failed ones again).")
     b.add_argument("input", help="JSONL requests: prompt, prompt_token_ids or messages per line")
     b.add_argument("-o", "--output", required=True, help="JSONL results")
     mode = b.add_mutually_exclusive_group()

@@ -214,16 +214,22 @@ def test_messages_use_the_chat_template(llm, tmp_path):
 
 
 def test_cli_batch(tmp_path, capsys, monkeypatch):
-    from jaxoverlap.cli import main
+    from jaxoverlap.cli import EXIT_BATCH_ERRORS, main
 
     inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": ""}])
     out = tmp_path / "out.jsonl"
     args = ["batch", inp, "-o", str(out), "--max-new-tokens", "3", "--no-progress", "--max-running-requests", "2",
             "--max-context-len", "64", "--kv-cache-tokens", "256", "--page-size", "8"]
-    assert main(args) == 0
+    assert main(args) == EXIT_BATCH_ERRORS  # "b" got an error line
     records = {r["id"]: r for r in read_records(out)}
     assert len(records["a"]["token_ids"]) <= 3 and "error" in records["b"]
     assert "2 requests: 1 generated, 1 errors" in capsys.readouterr().err
+    # Fixed, "b" is served on --resume and the run succeeds.
+    write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Hi"}])
+    assert main(args + ["--resume"]) == 0
+    records = [r for r in read_records(out)]
+    assert [r["id"] for r in records] == ["a", "b"] and "error" not in records[1]
+    assert "2 requests: 1 generated, 0 errors, 1 done before" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="exists"):
         main(args)
     with pytest.raises(SystemExit, match="not JSON"):
