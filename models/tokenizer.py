@@ -185,7 +185,7 @@ class IncrementalDecoder:
         # The last emitted ids (or the prompt's tail), decoded again in front of new ones
         # so that the decoder sees their context (leading-space rules, merges across the
         # boundary); then the ids whose text has not been emitted yet.
-        self._context: list[int] = [int(i) for i in prompt_ids[max(len(prompt_ids) - _CONTEXT_TOKENS, 0) :]]
+        self._context: list[int] = [int(i) for i in prompt_ids[self._context_start(prompt_ids) :]]
         self._pending: list[int] = []
         self._stream = None
         # The text that the prompt's incomplete last character renders as (see _split_dangling),
@@ -205,6 +205,25 @@ class IncrementalDecoder:
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
+    def _context_start(self, prompt_ids: Sequence[int]) -> int:
+        """Where the prompt's tail that serves as context begins: _CONTEXT_TOKENS ids from
+        its end, or a few further back (at most one character's 4 bytes, a token each) while
+        that id does not begin a character. ByteFallback tokenizers (Llama 2, Mistral)
+        render a whole run of byte tokens as U+FFFDs when any of it is invalid, so a tail
+        cut inside a character turned every byte token of the output that joined the run
+        into U+FFFDs."""
+        start = max(len(prompt_ids) - _CONTEXT_TOKENS, 0)
+        for _ in range(4):
+            if start == 0 or self._begins_character(prompt_ids[start : start + 4]):
+                break
+            start -= 1
+        return start
+
+    def _begins_character(self, ids: Sequence[int]) -> bool:
+        """Whether the first of `ids` begins a character: one to four of them decode to a
+        text that does not start with U+FFFD (the bytes of a character's middle never do)."""
+        return any(not self._decode(ids[:m]).startswith(_REPLACEMENT) for m in range(1, len(ids) + 1))
+
     def _split_dangling(self) -> None:
         """Split a context whose text ends in an incomplete character: the shortest tail of
         ids without which the text ends in complete characters becomes pending (so the output
@@ -219,7 +238,10 @@ class IncrementalDecoder:
         cut, head = 0, ""
         for n in range(len(ctx) - 1, 0, -1):  # at most _CONTEXT_TOKENS decodes, once
             head = self._decode(ctx[:n])
-            if not head.endswith(_REPLACEMENT) and text.startswith(head):
+            # An incomplete character is at most 3 bytes, so at most 3 ids. (ByteFallback
+            # renders the whole byte run it ends as U+FFFDs, complete characters of the run
+            # too: there `text` does not start with the run's clean head.)
+            if not head.endswith(_REPLACEMENT) and (text.startswith(head) or len(ctx) - n <= 3):
                 cut = n
                 break
         else:

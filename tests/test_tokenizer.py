@@ -266,3 +266,26 @@ def test_output_completing_a_prompts_cut_character_loses_none_of_its_text(defaul
         # An output that breaks the character off adds none of its U+FFFDs either.
         assert "".join(_stream(tok, abc, prompt=prompt, chunk=chunk, backend=backend)) == "abc"
         assert _stream(tok, [], prompt=prompt, backend=backend) == [""]  # no output, no text
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_byte_fallback_runs_of_several_characters_after_any_prompt(chunk, backend):
+    """ByteFallback renders a whole run of byte tokens as U+FFFDs once any of it is invalid.
+    Characters spelled in bytes back to back (🙂🙂, é🙂é, 👩‍👧é) then made two cuts go wrong:
+    a prompt ending in whole characters whose 5-id context began inside one (the output's
+    byte tokens joined that invalid run: 🙂 streamed as four U+FFFDs), and a prompt cut
+    inside a character that follows whole ones in the run. After every cut of the ids, the
+    output's text is the rest of the text (a cut character belongs to the prompt)."""
+    tok = _byte_fallback_tokenizer()
+    text = "ab 🙂🙂 é🙂é 👩\u200d👧é 中中 abc"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.id_to_token(ids[0]) == "▁" and all(  # a token per character or byte: bytes are easy to count
+        len(t.replace("▁", " ").encode()) == 1 or t.startswith("<0x") for t in map(tok.id_to_token, ids))
+    data = text.encode()
+    for k in range(1, len(ids)):
+        prompt_bytes = data[: k - 1]  # the first id is the space the normalizer prepends
+        whole = prompt_bytes.decode("utf-8", errors="ignore")
+        covered = len(whole) + (len(whole.encode()) < len(prompt_bytes))  # + the cut character
+        deltas = _stream(tok, ids[k:], prompt=ids[:k], chunk=chunk, backend=backend)
+        assert "".join(deltas) == text[covered:], (k, deltas)
+        assert not any("\ufffd" in d for d in deltas), (k, deltas)
