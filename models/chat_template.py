@@ -88,15 +88,24 @@ class ChatTemplate:
 
     @classmethod
     def from_path(cls, model_path: str) -> "ChatTemplate | None":
-        """The checkpoint's template, or None if it has none: `chat_template.jinja` first
-        (newer checkpoints), then tokenizer_config.json's "chat_template" (a string, or a
+        """The checkpoint's templates, or None if it has none: as transformers saves them
+        (`chat_template.jinja`, the default, and `additional_chat_templates/NAME.jinja`, such
+        as tool_use) first, then tokenizer_config.json's "chat_template" (a string, or a
         list of named templates)."""
         config = read_json_if_present(os.path.join(model_path, "tokenizer_config.json"))
         specials = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
-        jinja_path = os.path.join(model_path, "chat_template.jinja")
-        if os.path.exists(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                return cls(f.read(), specials)
+        files = {}
+        if os.path.isfile(default := os.path.join(model_path, "chat_template.jinja")):
+            files["default"] = default
+        if os.path.isdir(extra := os.path.join(model_path, "additional_chat_templates")):
+            files.update((name[: -len(".jinja")], os.path.join(extra, name))
+                         for name in sorted(os.listdir(extra)) if name.endswith(".jinja"))
+        if files:
+            templates = {}
+            for name, path in files.items():
+                with open(path, encoding="utf-8") as f:
+                    templates[name] = f.read()
+            return cls(templates, specials)
         source = config.get("chat_template")
         if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
             source = {t["name"]: t["template"] for t in source

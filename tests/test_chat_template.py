@@ -153,12 +153,35 @@ def test_found_where_checkpoints_keep_it(tmp_path):
     assert save(chat_template=named).render(message, tools=TOOLS) == "T"  # given tools, as transformers picks
     (model / "chat_template.jinja").write_text("J{{ messages | length }}")
     assert save(chat_template="ignored").render(message) == "J1"  # the .jinja file comes first
+    # transformers' save_pretrained writes named templates besides it, one file each.
+    os.mkdir(model / "additional_chat_templates")
+    (model / "additional_chat_templates" / "tool_use.jinja").write_text("T{{ tools | length }}")
+    assert save(chat_template="ignored").render(message, tools=TOOLS) == f"T{len(TOOLS)}"
+    assert save().render(message) == "J1"
     os.remove(model / "chat_template.jinja")
+    shutil.rmtree(model / "additional_chat_templates")
     only_tools = save(chat_template=[{"name": "tool_use", "template": "T"}])
     assert only_tools.render(message, tools=TOOLS) == "T"
     with pytest.raises(InvalidRequestError, match="none is 'default'"):
         only_tools.render(message)
     assert save(chat_template=[]) is None
+
+
+def test_templates_saved_by_transformers(tmp_path):
+    """A tokenizer with a default and a tool_use template, saved by transformers itself: the
+    same template renders the same conversation, with and without tools."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    hf.chat_template = {"default": "D{% for m in messages %}{{ m.content }}{% endfor %}",
+                        "tool_use": "T{{ tools | length }}{% for m in messages %}{{ m.content }}{% endfor %}"}
+    hf.save_pretrained(str(tmp_path))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = Tokenizer.from_path(str(tmp_path))
+    message = [{"role": "user", "content": "hi"}]
+    for kwargs in ({}, {"tools": TOOLS}):
+        want = hf.apply_chat_template(message, tokenize=False, add_generation_prompt=False, **kwargs)
+        assert ours.apply_chat_template(message, add_generation_prompt=False, **kwargs) == want
+    assert want == f"T{len(TOOLS)}hi"
 
 
 # Every key of every message, and the tools, as the template sees them.
