@@ -209,11 +209,12 @@ class LLM:
             engine.step()  # every output here is of a request no call waits for
 
     def chat(self, conversations, sampling_params=None, *, use_tqdm: bool = False,
-             add_generation_prompt: bool = True, **template_kwargs) -> list[GenerationResult]:
+             add_generation_prompt: bool | None = None, **template_kwargs) -> list[GenerationResult]:
         """generate() for chat messages: each conversation (a list of {"role", "content"}
         dicts, or a list of such lists) becomes its prompt under the checkpoint's chat
         template. `template_kwargs` reach the template (e.g. `enable_thinking=False` for
-        Qwen3)."""
+        Qwen3); `continue_final_message=True` continues the last message (a prefilled
+        assistant answer) instead of opening a new turn."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # one conversation
         tokenizer = self.engine.tokenizer

@@ -112,14 +112,22 @@ class ChatTemplate:
                       if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
         return cls(source, specials) if source and isinstance(source, (str, dict)) else None
 
-    def render(self, messages, /, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+    def render(self, messages, /, *, add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+               **template_kwargs) -> str:
         """The prompt text for `messages` (a list of {"role": ..., "content": ...}).
         `template_kwargs` reach the template as variables (e.g. Qwen3's `enable_thinking`,
         `tools`). As transformers does: keys set to None are dropped from each message, a
         message's reasoning given as "thinking" or "reasoning" is also passed as
         "reasoning_content", and tools given as Python functions become their JSON schemas.
+        `add_generation_prompt` (opens the assistant's turn) is on unless
+        `continue_final_message`: the text then ends with the last message's content, its
+        turn left open for the model to continue (a prefilled answer).
         A malformed conversation, or one the template refuses, raises InvalidRequestError."""
         check_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message continues the last message's turn: "
+                                      "add_generation_prompt, which opens a new one, must be off")
+        add_generation_prompt = not continue_final_message if add_generation_prompt is None else add_generation_prompt
         reserved = sorted({"messages", "add_generation_prompt"} & set(template_kwargs))
         if reserved:
             raise InvalidRequestError(f"chat template variables may not set {', '.join(reserved)}: "
@@ -134,9 +142,10 @@ class ChatTemplate:
         variables.update(template_kwargs)
         variables.update(messages=[_normalized(m) for m in messages], add_generation_prompt=add_generation_prompt)
         try:
-            return template.render(variables)  # a dict, not keywords: a variable may be called "self"
+            text = template.render(variables)  # a dict, not keywords: a variable may be called "self"
         except Exception as e:  # noqa: BLE001 - raise_exception(...), or messages the template cannot read
             raise InvalidRequestError(f"the chat template refused the messages: {type(e).__name__}: {e}") from e
+        return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
 
     def _pick(self, with_tools: bool):
         if with_tools and "tool_use" in self._compiled:
@@ -160,6 +169,26 @@ def _normalized(message: dict) -> dict:
     if reasoning is not None:  # gpt-oss templates read "thinking"; the others "reasoning_content"
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message
+
+
+def _cut_after_final_message(text: str, message: dict) -> str:
+    """`text` cut after the last message's content, whatever the template writes after it
+    (the end of its turn), as transformers' continue_final_message does: the content's last
+    occurrence, with its trailing whitespace where the template kept it."""
+    content = message.get("content")
+    if isinstance(content, (list, tuple)):  # content parts: the last one with text
+        content = next((p["text"] for p in reversed(content) if isinstance(p, dict) and isinstance(p.get("text"), str)),
+                       None)
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError("continue_final_message needs text to continue in the last message")
+    core = content.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not write the last message's "
+                                  "content as given, so there is no place to continue it from")
+    rest = content.lstrip()
+    end = at + len(rest) if text[at : at + len(rest)] == rest else at + len(core)
+    return text[:end]
 
 
 def _tool_schemas(tools) -> list:

@@ -131,14 +131,15 @@ class Tokenizer:
 
     # `messages` positional-only: a template variable may then be called "self" or "messages"
     # (ChatTemplate.render refuses the latter with a clear error).
-    def apply_chat_template(self, messages, /, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+    def apply_chat_template(self, messages, /, *, add_generation_prompt: bool | None = None, **template_kwargs) -> str:
         """The prompt text of a conversation under the checkpoint's chat template
-        (models/chat_template.py); InvalidRequestError if the model has none."""
+        (models/chat_template.py); InvalidRequestError if the model has none.
+        `add_generation_prompt`: on unless `continue_final_message=True` is given."""
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template: give a prompt, not messages")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
-    def encode_chat(self, messages, /, *, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+    def encode_chat(self, messages, /, *, add_generation_prompt: bool | None = None, **template_kwargs) -> list[int]:
         """Token ids of a conversation. The template writes any BOS itself, so none is added
         (as transformers' `apply_chat_template(tokenize=True)` does)."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)

@@ -405,7 +405,7 @@ def _chat_text(tokenizer, chat: pb.Chat) -> str:
             raise InvalidRequestError(f"chat_template_kwargs_json may not set {', '.join(reserved)}: "
                                       f"they come from the chat's own fields")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else None  # on, but see render
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add, **template_kwargs)
 
 

@@ -38,7 +38,7 @@ class FakeTokenizer:
         self.special_flags.append(add_special_tokens)
         return [[b + 3 for b in t.encode("utf-8")] for t in texts]
 
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool | None = None, **template_kwargs) -> str:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
     def decode(self, ids) -> str:

@@ -101,6 +101,34 @@ def test_renders_as_transformers_does(base, template, conversation, kwargs):
         assert "météo" in want_text  # tojson keeps non-ASCII text as it is
 
 
+PARTS = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+         "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}</end>{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA, PARTS], ids=["chatml", "llama", "parts"])
+@pytest.mark.parametrize("answer", ["Autumn moonlight", "  spaces around  ", "ends in a newline\n"],
+                         ids=["plain", "spaces", "newline"])
+def test_continue_final_message_as_transformers_does(base, template, answer):
+    """A prefilled assistant answer: the prompt ends with its content (the turn left open,
+    trailing whitespace where the template keeps it), as transformers renders it;
+    add_generation_prompt is off by default then."""
+    content = [{"type": "text", "text": "x"}, {"type": "text", "text": answer}] if template is PARTS else answer
+    messages = [{"role": "user", "content": "Write a haiku"}, {"role": "assistant", "content": content}]
+    ours = Tokenizer(base.hf_tokenizer, chat_template=ChatTemplate(template, SPECIALS))
+    hf = _hf_tokenizer(base, template)
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    got = ours.apply_chat_template(messages, continue_final_message=True)
+    assert got == want and got.rstrip().endswith(answer.strip())
+    assert ours.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=False) == want
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt"):
+        ours.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=True)
+    hidden = ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}", SPECIALS)
+    with pytest.raises(InvalidRequestError, match="no place to continue"):
+        hidden.render(messages, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="needs text"):
+        hidden.render(messages[:1] + [{"role": "assistant", "content": " "}], continue_final_message=True)
+
+
 DEFINED = ("{% if tools is defined %}T({{ tools }}){% else %}t{% endif %}"
            "{% if documents is defined %}D{% else %}d{% endif %}{{ messages[0].content }}")
 
