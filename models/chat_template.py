@@ -17,7 +17,7 @@ import json
 import os
 
 from jaxoverlap.errors import InvalidRequestError
-from jaxoverlap.models.config import read_json_if_present
+from jaxoverlap.models.config import read_tokenizer_config
 
 # Special tokens of tokenizer_config.json that templates read as variables.
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -92,7 +92,7 @@ class ChatTemplate:
         (`chat_template.jinja`, the default, and `additional_chat_templates/NAME.jinja`, such
         as tool_use) first, then tokenizer_config.json's "chat_template" (a string, or a
         list of named templates)."""
-        config = read_json_if_present(os.path.join(model_path, "tokenizer_config.json"))
+        config = read_tokenizer_config(model_path)
         specials = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
         files = {}
         if os.path.isfile(default := os.path.join(model_path, "chat_template.jinja")):

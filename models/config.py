@@ -40,6 +40,16 @@ def read_json_if_present(path: str) -> dict:
     return value
 
 
+def read_tokenizer_config(model_path: str) -> dict:
+    """tokenizer_config.json, with the special tokens (bos_token, eos_token, ...) it lacks
+    or leaves null taken from special_tokens_map.json, where older checkpoints keep them
+    (transformers reads both)."""
+    config = read_json_if_present(os.path.join(model_path, "tokenizer_config.json"))
+    specials = read_json_if_present(os.path.join(model_path, "special_tokens_map.json"))
+    return {**{k: v for k, v in specials.items() if k.endswith("_token")},
+            **{k: v for k, v in config.items() if v is not None or k not in specials}}
+
+
 def token_ids(value, where: str) -> tuple[int, ...]:
     """An id field of a checkpoint's JSON (null, one id, or a list of ids) as a tuple of ids;
     CheckpointError naming `where` if it holds anything else."""

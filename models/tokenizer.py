@@ -17,7 +17,7 @@ import tokenizers
 
 from jaxoverlap.errors import InvalidRequestError
 from jaxoverlap.models.chat_template import ChatTemplate
-from jaxoverlap.models.config import CheckpointError, read_json_if_present, token_ids
+from jaxoverlap.models.config import CheckpointError, read_json_if_present, read_tokenizer_config, token_ids
 
 try:  # newer tokenizers releases; the ones the engine uses take prompt ids and lists of ids
     from tokenizers.decoders import DecodeStream as _DecodeStream
@@ -72,7 +72,8 @@ class Tokenizer:
     @classmethod
     def from_path(cls, model_path: str) -> "Tokenizer":
         """Read `tokenizer.json`, taking eos/bos from generation_config.json, tokenizer_config.json
-        and config.json (eos ids from all three, in that order, deduplicated)."""
+        (or special_tokens_map.json) and config.json (eos ids from all three, in that order,
+        deduplicated)."""
         path = os.path.join(model_path, "tokenizer.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no tokenizer.json in {model_path!r}")
@@ -81,7 +82,7 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
             raise CheckpointError(f"{path} is not a tokenizer the tokenizers library reads: {e}") from None
         gen = read_json_if_present(os.path.join(model_path, "generation_config.json"))
-        tcfg = read_json_if_present(os.path.join(model_path, "tokenizer_config.json"))
+        tcfg = read_tokenizer_config(model_path)
         mcfg = read_json_if_present(os.path.join(model_path, "config.json"))
 
         def special_id(key: str) -> list[int]:

@@ -121,6 +121,21 @@ def test_eos_and_bos_from_config_files(tmp_path):
         json.dump({"eos_token": "<|im_end|>", "bos_token": None}, f)
     tok = Tokenizer.from_path(path)
     assert tok.bos_token_id is None and tok.eos_token_id == im_end
+    # Older checkpoints keep the special tokens in special_tokens_map.json alone (transformers
+    # reads both files); tokenizer_config.json's own values come first.
+    os.remove(os.path.join(path, "generation_config.json"))
+    os.remove(os.path.join(path, "config.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"}, f)
+    with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
+        json.dump({"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}}, f)
+    tok = Tokenizer.from_path(path)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.eos_token_ids) == (im_start, im_end, (im_end,))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>hi<|im_end|>"
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": None, "eos_token": "<|endoftext|>"}, f)
+    tok = Tokenizer.from_path(path)
+    assert tok.bos_token_id == im_start and tok.eos_token_id == tok.token_to_id("<|endoftext|>")
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_path(str(tmp_path / "nowhere"))
 
