@@ -125,3 +125,35 @@ def test_prefix_cache_evict_does_not_walk_the_tree():
     assert pc.evict(1) == [2]  # the oldest insert's leaf
     assert pc.evict(1) == [1]  # then its parent, now a leaf with the same last access
     assert calls == 0
+
+
+def test_prefix_cache_queue_rebuilds_keep_lru_order():
+    """Each match queues its leaves again (stale entries stay behind), and the queue is
+    rebuilt from the tree once it outgrows 4 entries per page: it stays bounded, holds every
+    evictable leaf, and eviction still goes least recently used first, locked leaves last."""
+    import random
+
+    rng = random.Random(0)
+    pc = PrefixCache(page_size=2)
+    paths = [[a, a, b, b] for a in range(3) for b in range(4)]  # 3 roots x 4 leaves: 15 pages
+    for i, toks in enumerate(paths):
+        pc.insert(toks, [2 * i + 1, 2 * i + 2])
+    pages = pc.num_pages
+    held = pc.match(paths[5])
+    pc.lock(held)
+    longest = 0
+    for _ in range(2000):
+        pc.match(rng.choice(paths))
+        longest = max(longest, len(pc._lru))
+        pc.check_integrity()
+    assert longest <= 4 * pages + 64 + 1  # rebuilt, not grown with every match
+    order = []
+    while (leaves := _evictable_leaves(pc)):
+        oldest = min(n.last_access for n in leaves.values())
+        (page,) = pc.evict(1)
+        assert leaves[page].last_access == oldest
+        order.append(page)
+        pc.check_integrity()
+    assert pc.num_pages == len(held) and set(order).isdisjoint(n.page for n in held)
+    pc.unlock(held)
+    assert len(pc.evict(pages)) == len(held) and pc.num_pages == 0
