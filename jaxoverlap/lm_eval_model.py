@@ -10,16 +10,22 @@ lm-eval is not a dependency of jaxoverlap: without it the class still works on a
 with an `.args` tuple (what lm-eval's Instance carries), which is how the tests use it.
 
 How requests become engine work, as lm-eval's Hugging Face model does it:
+- Text is encoded as the tokenizer does by default (Llama's BOS added, Qwen's nothing),
+  except a text that starts with the BOS token's text already (a chat template wrote it):
+  no second BOS, as lm-eval's `add_bos_token=None` does.
 - loglikelihood (context, continuation): the pair is encoded as one text and split where the
   context's own encoding ends, a context's trailing spaces moved to the continuation; an
-  empty context is the prefix token (BOS, else EOS); a pair longer than the context window
-  keeps its last tokens. `LLM.loglikelihood`: the context's pages may come from the prefix
-  cache, so the choices of one question prefill it once.
+  empty context is the prefix token (BOS, else EOS); a pair longer than the window
+  (`max_length` predicted tokens: by default the context less two, as for rolling windows)
+  keeps its last tokens, and a continuation that cannot fit is an error, as in lm-eval.
+  `LLM.loglikelihood`: the context's pages may come from the prefix cache, so the choices
+  of one question prefill it once.
 - loglikelihood_rolling (text,): `LLM.loglikelihood_rolling`, lm-eval's disjoint windows.
 - generate_until (context, gen_kwargs): greedy unless do_sample or a temperature (see
   `_temperature`); `until` as stop strings
   (the text is also cut at the first of them, as lm-eval does); `max_gen_toks` (default
-  256); the context left-truncated to leave room for them.
+  256); the context left-truncated so that it and they fit `max_length` (by default the
+  whole context).
 """
 from __future__ import annotations
 
@@ -38,16 +44,23 @@ DEFAULT_MAX_GEN_TOKS = 256
 
 class JaxOverlapLM(_LMBase):
     """`pretrained` (a checkpoint folder; None: the embedded model) and any EngineConfig
-    option as keywords, or an existing `llm`. `max_length`: the longest rolling window
-    (LLM.loglikelihood_rolling). lm-eval's batch_size / max_batch_size / device are
-    accepted and ignored: the engine batches by itself."""
+    option as keywords, or an existing `llm`. `max_length` (lm-eval's): the window of a
+    scored pair or a rolling window in predicted tokens (at most, and by default, the
+    engine's context less two), and of a generation's prompt plus its new tokens (by
+    default the whole context). lm-eval's
+    batch_size / max_batch_size / device are accepted and ignored: the engine batches by
+    itself."""
 
     def __init__(self, pretrained: str | None = None, *, llm: LLM | None = None, max_length: int | None = None,
                  batch_size=None, max_batch_size=None, device=None, **engine_options):
         if _LMBase is not object:
             super().__init__()
         self.llm = llm if llm is not None else LLM(pretrained, **engine_options)
-        self.max_length = max_length
+        context = self.llm.engine.max_context_len
+        if max_length is not None and not 1 <= int(max_length) <= context - 2:
+            raise InvalidRequestError(f"max_length must be in [1, {context - 2}] (the engine's context less two), "
+                                      f"got {max_length}")
+        self.max_length = None if max_length is None else int(max_length)
         self.name = pretrained or "jaxoverlap-default-model"
 
     @property
@@ -64,6 +77,13 @@ class JaxOverlapLM(_LMBase):
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
 
+    def _encode(self, text: str) -> list[int]:
+        """The tokenizer's own encoding (special tokens included), without a second BOS
+        where the text starts with one (a chat template's)."""
+        tok = self.tokenizer
+        bos = None if tok.bos_token_id is None else tok.id_to_token(tok.bos_token_id)
+        return tok.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
     # -- loglikelihood --------------------------------------------------------------------
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """lm-eval's split: encode context + continuation once, and cut where the context's
@@ -75,21 +95,24 @@ class JaxOverlapLM(_LMBase):
         spaces = len(context) - len(context.rstrip())
         if spaces:  # "Question: ... Answer: " + "B" -> "... Answer:" + " B"
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole = self.tokenizer.encode(context + continuation)
-        ctx = self.tokenizer.encode(context)
+        whole = self._encode(context + continuation)
+        ctx = self._encode(context)
         # A context of whitespace only has gone to the continuation: condition it on the prefix
         # token, as an empty context is.
         return ctx or [self.llm.prefix_token_id], whole[len(ctx):]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        limit = self.llm.engine.max_context_len - 2  # the prompt, less one token for the request's output
+        # A pair's prompt: the window's predicted tokens and the context token before them.
+        limit = (self.max_length or self.llm.engine.max_context_len - 2) + 1
         pairs = []
         for req in requests:
             ctx, cont = self._encode_pair(*req.args)
             if not cont:
                 raise InvalidRequestError(f"continuation {req.args[1]!r} encodes to no tokens")
-            keep = max(1, limit - len(cont))  # a pair too long keeps its last tokens, one of the context at least
-            pairs.append((ctx[-keep:], cont[-(limit - 1):]))
+            if len(cont) > limit - 1:
+                raise InvalidRequestError(f"continuation of {len(cont)} tokens is longer than the window of "
+                                          f"{limit - 1} scored tokens")
+            pairs.append((ctx[-(limit - len(cont)):], cont))  # a pair too long keeps its last tokens
         return self.llm.loglikelihood(pairs, use_tqdm=not disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -99,7 +122,7 @@ class JaxOverlapLM(_LMBase):
     # -- generation -----------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         prompts, params, stops = [], [], []
-        limit = self.llm.engine.max_context_len - 1
+        limit = self.max_length or self.llm.engine.max_context_len  # prompt + new tokens
         for req in requests:
             context, gen_kwargs = req.args
             kw = dict(gen_kwargs or {})
@@ -108,8 +131,8 @@ class JaxOverlapLM(_LMBase):
             max_gen = int(kw.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
             temperature = _temperature(kw.pop("do_sample", None), kw.pop("temperature", None))
             sampling = {k: kw[k] for k in ("top_p", "top_k", "min_p", "seed") if k in kw}
-            ids = self.tokenizer.encode(context) or [self.llm.prefix_token_id]
-            max_gen = min(max_gen, limit - 1)
+            ids = self._encode(context) or [self.llm.prefix_token_id]
+            max_gen = min(max_gen, limit - 1)  # one prompt token at least
             prompts.append(ids[-(limit - max_gen):])  # the context's end, leaving room for max_gen tokens
             params.append(SamplingParams(max_new_tokens=max_gen, temperature=temperature, stop=tuple(until),
                                          **sampling))

@@ -88,3 +88,67 @@ def test_generate_until_samples_when_the_task_asks(lm):
     got = lm.generate_until([Request(("Once upon a time", {"max_gen_toks": 12, "do_sample": True, "seed": s}))
                              for s in range(4)], disable_tqdm=True)
     assert len(set(got)) > 1
+
+
+def _spy_prompts(llm, monkeypatch) -> list:
+    """The prompts the adapter hands llm.generate."""
+    sent, generate = [], llm.generate
+
+    def spy(prompts, params=None, **kw):
+        sent.extend(prompts)
+        return generate(prompts, params, **kw)
+
+    monkeypatch.setattr(llm, "generate", spy)
+    return sent
+
+
+def test_windows_use_the_whole_context(lm, monkeypatch):
+    """At max_context_len 64: a pair's prompt is 63 tokens (62 scored, as a rolling window),
+    a generation's prompt and new tokens 64; a continuation past the window is an error,
+    as in lm-eval, not a silently shorter score."""
+    from jaxoverlap.errors import InvalidRequestError
+
+    long_pair = ("word " * 200, " and the end of the story")
+    ctx, cont = lm._encode_pair(*long_pair)
+    [(lp, _)] = lm.loglikelihood([Request(long_pair)], disable_tqdm=True)
+    [(want, _)] = lm.llm.loglikelihood([(ctx[-(63 - len(cont)):], cont)])
+    assert lp == pytest.approx(want, abs=1e-5)
+    with pytest.raises(InvalidRequestError, match="longer than the window of 62"):
+        lm.loglikelihood([Request(("Hi", " word" * 63))], disable_tqdm=True)
+    sent = _spy_prompts(lm.llm, monkeypatch)
+    lm.generate_until([Request(("word " * 200, {"max_gen_toks": 4}))], disable_tqdm=True)
+    assert len(sent[0]) == 60
+    # lm-eval's max_length: the pair's and the generation's window.
+    short = JaxOverlapLM(llm=lm.llm, max_length=16)
+    [(lp, _)] = short.loglikelihood([Request(long_pair)], disable_tqdm=True)
+    [(want, _)] = lm.llm.loglikelihood([(ctx[-(17 - len(cont)):], cont)])
+    assert lp == pytest.approx(want, abs=1e-5)
+    short.generate_until([Request(("word " * 200, {"max_gen_toks": 4}))], disable_tqdm=True)
+    assert len(sent[-1]) == 12  # (the pair before went through generate too: 17 tokens)
+    with pytest.raises(InvalidRequestError, match="max_length"):
+        JaxOverlapLM(llm=lm.llm, max_length=63)
+
+
+def test_no_second_bos_after_a_chat_template(lm, monkeypatch):
+    """A tokenizer that adds BOS (Llama's) and a chat template that writes it: lm-eval's
+    `apply_chat_template` text is encoded with the one BOS (lm-eval's add_bos_token=None)."""
+    import tokenizers
+
+    from jaxoverlap.models.tokenizer import Tokenizer
+
+    base = lm.tokenizer
+    bos = base.token_to_id("<|im_start|>")
+    copy = tokenizers.Tokenizer.from_str(base.hf_tokenizer.to_str())
+    copy.post_processor = tokenizers.processors.TemplateProcessing(single="<|im_start|> $A",
+                                                                   special_tokens=[("<|im_start|>", bos)])
+    with_bos = Tokenizer(copy, eos_token_ids=base.eos_token_ids, bos_token_id=bos)
+    monkeypatch.setattr(JaxOverlapLM, "tokenizer", property(lambda self: with_bos))
+    text = "<|im_start|>user: What do bees make?\nassistant:"
+    assert lm._encode("Hi") == [bos] + base.encode("Hi", add_special_tokens=False)
+    assert lm._encode(text) == base.encode(text, add_special_tokens=False)
+    assert lm._encode(text)[:2].count(bos) == 1
+    ctx, cont = lm._encode_pair(text, " Honey")
+    assert ctx[:2].count(bos) == 1 and cont == base.encode(text + " Honey", add_special_tokens=False)[len(ctx):]
+    sent = _spy_prompts(lm.llm, monkeypatch)
+    lm.generate_until([Request((text, {"max_gen_toks": 2}))], disable_tqdm=True)
+    assert sent[0] == base.encode(text, add_special_tokens=False)
