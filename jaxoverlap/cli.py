@@ -107,6 +107,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="the text ends with the stop string that ended it")
+    g.add_argument("--keep-special-tokens", action="store_true",
+                   help="write special tokens (<|im_end|> and the like) into the text")
     g.add_argument("--logprobs", action="store_true")
     g.add_argument("--top-logprobs", type=int, default=0,
                    help="per output token, this many (at most 20) most likely tokens and their logprobs")
@@ -142,6 +146,7 @@ def sampling_params(args: argparse.Namespace):
         min_p=args.min_p, seed=args.sampling_seed, n=args.n, stop=tuple(args.stop),
         stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos, logprobs=args.logprobs, top_logprobs=args.top_logprobs,
+        include_stop_str_in_output=args.include_stop_str_in_output, skip_special_tokens=not args.keep_special_tokens,
         prompt_logprobs=args.prompt_logprobs, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens, logit_bias=args.logit_bias or (),
     )

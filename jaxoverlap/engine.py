@@ -204,10 +204,15 @@ def _ended_by_token(req: Request) -> bool:
 
 
 def _cut_at_stop_string(req: Request) -> bool:
-    """Cut the request's unsent text before the first of its stop strings in it; whether one was."""
-    hits = [i for s in req.params.stop if (i := req.pending_text.find(s)) >= 0]
+    """Cut the request's unsent text before the first of its stop strings in it (after it,
+    with include_stop_str_in_output); whether one was there. Of stop strings found at one
+    place, the longest is the one included."""
+    hits = [(i, len(s)) for s in req.params.stop if (i := req.pending_text.find(s)) >= 0]
     if hits:
-        req.pending_text = req.pending_text[: min(hits)]
+        at = min(i for i, _ in hits)
+        if req.params.include_stop_str_in_output:
+            at += max(n for i, n in hits if i == at)
+        req.pending_text = req.pending_text[:at]
     return bool(hits)
 
 
@@ -486,7 +491,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         req = Request(request_id, prompt_ids, params, seed)
         if self.tokenizer is not None and params.detokenize:
-            req.detok = self.tokenizer.incremental_decoder(prompt_ids)
+            req.detok = self.tokenizer.incremental_decoder(prompt_ids,
+                                                           skip_special_tokens=params.skip_special_tokens)
         self.requests[request_id] = req
         if compiled is not None and not compiled.done():
             req.grammar_future = compiled

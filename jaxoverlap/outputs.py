@@ -101,10 +101,11 @@ class OutputText:
     `ending_ids`: the ids that end the request (`params.ending_token_ids(engine.eos_token_ids)`).
     Without them, a "stop" finish is taken to end on such a token, which holds for every
     request but one with structured output: its grammar may complete on a token of text.
+    `skip_special_tokens`: the request's SamplingParams.skip_special_tokens.
     """
 
-    def __init__(self, tokenizer, prompt_ids, ending_ids=None):
-        self._decoder = tokenizer.incremental_decoder(prompt_ids)
+    def __init__(self, tokenizer, prompt_ids, ending_ids=None, *, skip_special_tokens: bool = True):
+        self._decoder = tokenizer.incremental_decoder(prompt_ids, skip_special_tokens=skip_special_tokens)
         self._ending_ids = None if ending_ids is None else frozenset(ending_ids)
 
     def delta(self, out: RequestOutput) -> str:

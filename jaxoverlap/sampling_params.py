@@ -28,6 +28,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The text ends with the stop string that ended it (vLLM's include_stop_str_in_output);
+    # by default it ends just before it. (A stop token's text is never included.)
+    include_stop_str_in_output: bool = False
+    # Special tokens of the output (added tokens marked special, such as <|im_end|>) are
+    # left out of its text, as transformers' decode(skip_special_tokens=True) does; False
+    # writes them (vLLM's option).
+    skip_special_tokens: bool = True
     logprobs: bool = False
     # Per output token, this many most likely tokens and their logprobs under the raw model
     # distribution (OpenAI's top_logprobs; at most MAX_TOP_LOGPROBS). A program
@@ -115,7 +122,8 @@ class SamplingParams:
         def bad(msg: str):
             raise InvalidRequestError(f"invalid sampling params: {msg}")
 
-        for name in ("ignore_eos", "logprobs", "prompt_logprobs", "detokenize"):
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs", "detokenize", "include_stop_str_in_output",
+                     "skip_special_tokens"):
             # Real bools only: any other value (the string "false" from a JSON line, 0/1)
             # would be taken by its truth value.
             if not isinstance(getattr(self, name), bool):

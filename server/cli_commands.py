@@ -232,6 +232,10 @@ def add_client_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--stop", action="append", default=None, help="stop string (repeatable)")
     _add(g, "--stop-token-ids", default=None, help="comma-separated stop token ids")
     _add(g, "--ignore-eos", action="store_true", default=None)
+    _add(g, "--include-stop-str-in-output", action="store_true", default=None,
+         help="the text ends with the stop string that ended it")
+    _add(g, "--keep-special-tokens", action="store_true", default=None,
+         help="write special tokens (<|im_end|> and the like) into the text")
     _add(g, "--logprobs", action="store_true", default=None)
     _add(g, "--top-logprobs", type=int, default=None)
     _add(g, "--repetition-penalty", type=float, default=None)
@@ -296,7 +300,8 @@ def run_client(args) -> int:
                         top_logprobs=args.top_logprobs,
                         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                         presence_penalty=args.presence_penalty, min_new_tokens=args.min_new_tokens,
-                        logit_bias=args.logit_bias)
+                        logit_bias=args.logit_bias, include_stop_str_in_output=args.include_stop_str_in_output,
+                        skip_special_tokens=None if args.keep_special_tokens is None else False)
         try:
             sampling["structured_output"] = from_command_line(args.json_schema, args.regex, args.choice)
         except InvalidRequestError as e:

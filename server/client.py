@@ -30,7 +30,7 @@ from jaxoverlap.server import jaxoverlap_pb2_grpc as pb_grpc
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty",
                    "frequency_penalty", "presence_penalty", "min_new_tokens", "top_logprobs", "logit_bias", "n",
-                   "structured_output")
+                   "structured_output", "include_stop_str_in_output", "skip_special_tokens")
 
 
 @dataclasses.dataclass

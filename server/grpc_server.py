@@ -69,7 +69,8 @@ MAX_UNREAD = 1 << 17
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 _SAMPLING_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
                      "prompt_logprobs", "prompt_logprobs_start", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty", "min_new_tokens", "top_logprobs", "n")
+                     "presence_penalty", "min_new_tokens", "top_logprobs", "n", "include_stop_str_in_output",
+                     "skip_special_tokens")
 
 
 # ---- request decoding ---------------------------------------------------------------------------
@@ -554,7 +555,8 @@ class GenerationServicer:
                 # (A "stop" finish then ends on a stop token, whose text OutputText leaves out;
                 # a grammar's last token is output, so those requests keep the engine's text.)
                 samples = [dataclasses.replace(sp, detokenize=False) for sp in samples]
-                text_makers = [OutputText(self.tokenizer, prompt) for _ in samples]
+                text_makers = [OutputText(self.tokenizer, prompt, skip_special_tokens=params.skip_special_tokens)
+                               for _ in samples]
             loop = asyncio.get_running_loop()
             add_futures = [self.worker.submit_add(eid, prompt, sp, loop, mailbox.put)
                            for eid, sp in zip(engine_ids, samples)]

@@ -44,7 +44,7 @@ class FakeTokenizer:
     def decode(self, ids) -> str:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
-    def incremental_decoder(self, prompt_ids=()) -> "FakeIncrementalDecoder":
+    def incremental_decoder(self, prompt_ids=(), *, skip_special_tokens: bool = True) -> "FakeIncrementalDecoder":
         return FakeIncrementalDecoder(self)
 
 

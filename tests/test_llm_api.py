@@ -49,6 +49,45 @@ def test_stop_string_truncates_text(llm):
     llm.engine.check_integrity()
 
 
+def test_include_stop_str_in_output(llm):
+    """The text ends with the stop string that ended it, streamed or not; of two stops at one
+    place the longer; a stop string past the held-back tail (found only at the flush) too."""
+    prompt = "Once upon a time"
+    [full] = llm.generate([prompt], SamplingParams(max_new_tokens=32, temperature=0.0))
+    text = full.text
+    mid = len(text) // 2
+    for stops in ([text[mid : mid + 5]], [text[mid : mid + 2], text[mid : mid + 4]], [text[-3:]]):
+        want = text[: min(text.find(s) for s in stops)]
+        cut = dict(max_new_tokens=32, temperature=0.0, stop=stops)
+        [without] = llm.generate([prompt], SamplingParams(**cut))
+        [with_stop] = llm.generate([prompt], SamplingParams(**cut, include_stop_str_in_output=True))
+        longest = max((s for s in stops if text.startswith(s, len(want))), key=len)
+        assert without.text == want and with_stop.text == want + longest, stops
+        assert with_stop.finish_reason == "stop" and with_stop.token_ids == without.token_ids
+        streamed = llm.generate_stream([prompt], SamplingParams(**cut, include_stop_str_in_output=True))
+        assert "".join(d.new_text for d in streamed) == with_stop.text
+
+
+def test_special_tokens_in_the_text_when_asked(llm):
+    """skip_special_tokens=False writes special tokens into the text (EOS forced by
+    logit_bias and not ending the request): in the engine's text and in OutputText's."""
+    from jaxoverlap.outputs import OutputText
+
+    tok = llm.tokenizer
+    eos = min(llm.engine.eos_token_ids)
+    special = tok.id_to_token(eos)
+    prompt = tok.encode("Once upon a time")
+    base = dict(max_new_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={eos: 100.0})
+    [skipped] = llm.generate([prompt], SamplingParams(**base))
+    [kept] = llm.generate([prompt], SamplingParams(**base, skip_special_tokens=False))
+    assert kept.token_ids == skipped.token_ids == [eos] * 3
+    assert skipped.text == "" and kept.text == special * 3
+    for skip, want in ((True, ""), (False, special * 3)):
+        text = OutputText(tok, prompt, skip_special_tokens=skip)
+        outs = list(llm.generate_stream([prompt], SamplingParams(**base, skip_special_tokens=skip, detokenize=False)))
+        assert "".join(text.delta(o) for o in outs) == want
+
+
 def test_streamed_stop_strings_hold_back_only_a_possible_stop(llm):
     """Streaming with stop strings: the deltas add up to the final text, which is the
     unstopped text cut before the first stop string; the engine holds back at most the

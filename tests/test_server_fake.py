@@ -88,6 +88,9 @@ def test_sampling_params_defaults_and_overrides():
         sampling_params_from_proto(build_request("x", top_p=0.0).sampling_params)
     with pytest.raises(TypeError):
         build_request("x", nonsense=1)
+    p = sampling_params_from_proto(build_request("x", include_stop_str_in_output=True,
+                                                 skip_special_tokens=False).sampling_params)
+    assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
 
 
 def test_length_dist_and_arrivals():
