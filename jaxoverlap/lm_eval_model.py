@@ -47,9 +47,8 @@ class JaxOverlapLM(_LMBase):
     option as keywords, or an existing `llm`. `max_length` (lm-eval's): the window of a
     scored pair or a rolling window in predicted tokens (at most, and by default, the
     engine's context less two), and of a generation's prompt plus its new tokens (by
-    default the whole context). lm-eval's
-    batch_size / max_batch_size / device are accepted and ignored: the engine batches by
-    itself."""
+    default the whole context). lm-eval's batch_size / max_batch_size / device are
+    accepted and ignored: the engine batches by itself."""
 
     def __init__(self, pretrained: str | None = None, *, llm: LLM | None = None, max_length: int | None = None,
                  batch_size=None, max_batch_size=None, device=None, **engine_options):
