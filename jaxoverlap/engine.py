@@ -794,10 +794,13 @@ class Engine:
         for req in reqs:
             params, n_ids, finished = req.params, len(req.output_ids), req.finished
             if finished and req.detok is not None and (req.finish_reason != "stop" or _ended_by_token(req)):
-                # The text of every output token but a stop token's, as decode() gives it: what
-                # the decoder held back (a cut character, and complete ones in front of it in
-                # the same token) comes out at the end. Not after a stop string: the text ends
-                # there. (A completed grammar was flushed in _check_token.)
+                # The text of every output token but a stop token's (with include_stop_str_in_output,
+                # its too, as vLLM has it), as decode() gives it: what the decoder held back (a
+                # cut character, and complete ones in front of it in the same token) comes out
+                # at the end. Not after a stop string: the text ends there. (A completed grammar
+                # was flushed in _check_token.)
+                if params.include_stop_str_in_output and _ended_by_token(req):
+                    req.pending_text += req.detok.step(req.output_ids[-1])
                 req.pending_text += req.detok.flush()
                 # That held-back text never met the stop check: a stop string in it still ends the text.
                 if _cut_at_stop_string(req) and req.finish_reason == "length":

@@ -74,7 +74,10 @@ class JaxOverlapLM(_LMBase):
         return self.name
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
+        # Without a generation prompt, lm-eval's last message is an assistant prefix (a task's
+        # gen_prefix) to continue: its HF and vLLM models pass continue_final_message so.
+        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=not add_generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
         """The tokenizer's own encoding (special tokens included), without a second BOS

@@ -28,8 +28,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    # The text ends with the stop string that ended it (vLLM's include_stop_str_in_output);
-    # by default it ends just before it. (A stop token's text is never included.)
+    # The text ends with the stop string, or the text of the stop token (EOS, stop_token_ids),
+    # that ended it (vLLM's include_stop_str_in_output); by default it ends just before it.
     include_stop_str_in_output: bool = False
     # Special tokens of the output (added tokens marked special, such as <|im_end|>) are
     # left out of its text, as transformers' decode(skip_special_tokens=True) does; False

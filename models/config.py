@@ -41,13 +41,16 @@ def read_json_if_present(path: str) -> dict:
 
 
 def read_tokenizer_config(model_path: str) -> dict:
-    """tokenizer_config.json, with the special tokens (bos_token, eos_token, ...) it lacks
-    or leaves null taken from special_tokens_map.json, where older checkpoints keep them
-    (transformers reads both)."""
+    """tokenizer_config.json, with the special tokens (bos_token, eos_token, ...) of
+    special_tokens_map.json where older checkpoints keep them, as transformers reads the two:
+    the map's tokens win, but not over a token the config sets to null, and a config in the
+    newer layout (with `added_tokens_decoder`) is read alone."""
     config = read_json_if_present(os.path.join(model_path, "tokenizer_config.json"))
+    if "added_tokens_decoder" in config:
+        return config
     specials = read_json_if_present(os.path.join(model_path, "special_tokens_map.json"))
-    return {**{k: v for k, v in specials.items() if k.endswith("_token")},
-            **{k: v for k, v in config.items() if v is not None or k not in specials}}
+    return {**config, **{k: v for k, v in specials.items()
+                         if k.endswith("_token") and not (k in config and config[k] is None)}}
 
 
 def token_ids(value, where: str) -> tuple[int, ...]:

@@ -549,11 +549,13 @@ class GenerationServicer:
                 except asyncio.TimeoutError:
                     pass
             text_makers = None
-            if self.tokenizer is not None and not params.stop and params.structured_output is None:
+            if (self.tokenizer is not None and not params.stop and params.structured_output is None
+                    and not params.include_stop_str_in_output):
                 # No stop strings, so the engine needs no text: this handler makes it from the
                 # token ids, on the event loop, while the engine's thread waits for the device.
                 # (A "stop" finish then ends on a stop token, whose text OutputText leaves out;
-                # a grammar's last token is output, so those requests keep the engine's text.)
+                # a grammar's last token is output, so those requests keep the engine's text, as
+                # do those that ask for the stop token's text.)
                 samples = [dataclasses.replace(sp, detokenize=False) for sp in samples]
                 text_makers = [OutputText(self.tokenizer, prompt, skip_special_tokens=params.skip_special_tokens)
                                for _ in samples]

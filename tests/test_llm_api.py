@@ -66,6 +66,21 @@ def test_include_stop_str_in_output(llm):
         assert with_stop.finish_reason == "stop" and with_stop.token_ids == without.token_ids
         streamed = llm.generate_stream([prompt], SamplingParams(**cut, include_stop_str_in_output=True))
         assert "".join(d.new_text for d in streamed) == with_stop.text
+    # A stop token's text too (vLLM's rule): a token of text, and EOS written as a special token.
+    tok = llm.tokenizer
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    for include in (False, True):
+        [r] = llm.generate([prompt], SamplingParams(max_new_tokens=32, temperature=0.0, stop_token_ids=[stop_id],
+                                                    include_stop_str_in_output=include))
+        assert r.token_ids == full.token_ids[: first + 1] and r.finish_reason == "stop"
+        assert r.text == tok.decode(r.token_ids if include else r.token_ids[:-1])
+    eos = min(llm.engine.eos_token_ids)
+    forced = dict(max_new_tokens=4, temperature=0.0, logit_bias={eos: 100.0}, skip_special_tokens=False)
+    [r] = llm.generate([prompt], SamplingParams(**forced, include_stop_str_in_output=True))
+    assert r.token_ids == [eos] and r.text == tok.id_to_token(eos)
+    [r] = llm.generate([prompt], SamplingParams(**forced))
+    assert r.text == ""
 
 
 def test_special_tokens_in_the_text_when_asked(llm):

@@ -152,3 +152,20 @@ def test_no_second_bos_after_a_chat_template(lm, monkeypatch):
     sent = _spy_prompts(lm.llm, monkeypatch)
     lm.generate_until([Request((text, {"max_gen_toks": 2}))], disable_tqdm=True)
     assert sent[0] == base.encode(text, add_special_tokens=False)
+
+
+def test_a_task_prefix_continues_the_assistant_turn(lm, monkeypatch):
+    """lm-eval asks for no generation prompt when the last message is a prefix of the
+    answer (a task's gen_prefix): the turn stays open after it, as lm-eval's HF model has it."""
+    from jaxoverlap.models.chat_template import ChatTemplate
+    from jaxoverlap.models.tokenizer import Tokenizer
+
+    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with_template = Tokenizer(lm.tokenizer.hf_tokenizer, chat_template=ChatTemplate(chatml))
+    monkeypatch.setattr(JaxOverlapLM, "tokenizer", property(lambda self: with_template))
+    question = [{"role": "user", "content": "2 + 2?"}]
+    assert lm.apply_chat_template(question).endswith("<|im_start|>assistant\n")
+    prefixed = lm.apply_chat_template(question + [{"role": "assistant", "content": "The answer is"}],
+                                      add_generation_prompt=False)
+    assert prefixed == "<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\nThe answer is"

@@ -121,8 +121,8 @@ def test_eos_and_bos_from_config_files(tmp_path):
         json.dump({"eos_token": "<|im_end|>", "bos_token": None}, f)
     tok = Tokenizer.from_path(path)
     assert tok.bos_token_id is None and tok.eos_token_id == im_end
-    # Older checkpoints keep the special tokens in special_tokens_map.json alone (transformers
-    # reads both files); tokenizer_config.json's own values come first.
+    # Older checkpoints keep the special tokens in special_tokens_map.json (transformers reads
+    # both files: the map's tokens win, but not over a null, nor in the newer layout).
     os.remove(os.path.join(path, "generation_config.json"))
     os.remove(os.path.join(path, "config.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
@@ -135,7 +135,11 @@ def test_eos_and_bos_from_config_files(tmp_path):
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": None, "eos_token": "<|endoftext|>"}, f)
     tok = Tokenizer.from_path(path)
-    assert tok.bos_token_id == im_start and tok.eos_token_id == tok.token_to_id("<|endoftext|>")
+    assert tok.bos_token_id is None and tok.eos_token_id == im_end
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "added_tokens_decoder": {}}, f)
+    tok = Tokenizer.from_path(path)
+    assert tok.bos_token_id is None and tok.eos_token_id == tok.token_to_id("<|endoftext|>")
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_path(str(tmp_path / "nowhere"))
 
