@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 SPECULATIVE_ALGORITHMS = (None, "eagle", "draft_model", "ngram", "ngram_device")
 DECODE_INPUTS = ("every_step", "on_change")
@@ -93,16 +94,65 @@ class EngineConfig:
     # drafts costs more than the accepted ones save. None: always draft.
     speculative_disable_by_batch_size: int | None = None
 
+    # Option kinds, checked first: a string or float where an integer belongs fails with a
+    # TypeError in the comparisons below or deep inside JAX, and "False" is truthy.
+    _INTS = ("seed", "page_size", "max_running_requests", "chunked_prefill_size", "max_prefill_requests",
+             "tensor_parallel_size", "max_queued_requests", "speculative_eagle_topk",
+             "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size")
+    _OPTIONAL_INTS = ("max_context_len", "max_prefill_rows", "kv_cache_tokens", "layers_per_weight_stack",
+                      "reserve_slack_tokens", "speculative_num_steps", "speculative_num_draft_tokens",
+                      "speculative_disable_by_batch_size")
+    _BOOLS = ("disable_overlap", "disable_prefix_cache", "disable_fused_decode", "alternate_decode_executables",
+              "freeze_gc", "enable_penalties")
+    _STRINGS = ("load_format", "dtype", "attention_backend", "decode_inputs")
+    _OPTIONAL_STRINGS = ("model", "weights_cache_dir", "compilation_cache_dir", "speculative_algorithm",
+                         "speculative_draft_model_path", "speculative_eagle_head_path")
+
+    def _check_kinds(self) -> None:
+        def integer(value) -> bool:
+            return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+        for name in self._INTS + self._OPTIONAL_INTS:
+            value = getattr(self, name)
+            if value is None and name in self._OPTIONAL_INTS:
+                continue
+            if not integer(value):
+                raise ValueError(f"{name} must be an integer{' or None' if name in self._OPTIONAL_INTS else ''}, "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy integers as Python ints (hashable, JSON)
+        for name in self._BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in self._STRINGS + self._OPTIONAL_STRINGS:
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (value is None and name in self._OPTIONAL_STRINGS)):
+                raise ValueError(f"{name} must be a string{' or None' if name in self._OPTIONAL_STRINGS else ''}, "
+                                 f"got {value!r}")
+        fraction = self.kv_cache_memory_fraction
+        if not isinstance(fraction, numbers.Real) or isinstance(fraction, bool):
+            raise ValueError(f"kv_cache_memory_fraction must be a number, got {fraction!r}")
+        buckets = self.batch_buckets
+        if buckets is not None:
+            if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+                raise ValueError(f"batch_buckets must be a list of batch sizes or None, got {buckets!r}")
+            buckets = list(buckets)
+            if not buckets or not all(integer(b) and b >= 1 for b in buckets):
+                raise ValueError(f"batch_buckets must be batch sizes >= 1 (None: powers of two), got {buckets!r}")
+            object.__setattr__(self, "batch_buckets", tuple(sorted({int(b) for b in buckets})))
+
     def __post_init__(self):
+        self._check_kinds()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_context_len is not None and (isinstance(self.max_context_len, bool) or not isinstance(
-                self.max_context_len, int) or self.max_context_len < 2):
-            # 0 would quietly mean the default; a float fails deep inside JAX.
+        if self.max_context_len is not None and self.max_context_len < 2:  # 0 would quietly mean the default
             raise ValueError(f"max_context_len must be an integer >= 2 (prompt + output tokens) or None, "
                              f"got {self.max_context_len!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            # 0 would quietly mean "sized from kv_cache_memory_fraction".
+            raise ValueError(f"kv_cache_tokens must be >= 1, or None to size the cache from "
+                             f"kv_cache_memory_fraction, got {self.kv_cache_tokens}")
         if self.reserve_slack_tokens is not None and self.reserve_slack_tokens < 0:
             raise ValueError(f"reserve_slack_tokens must be >= 0, got {self.reserve_slack_tokens}")
         if self.layers_per_weight_stack is not None and self.layers_per_weight_stack < 1:
@@ -159,7 +209,20 @@ class EngineConfig:
                              f"head with 'eagle'), not {algo!r}")
         if head_path and algo != "eagle":
             raise ValueError(f"speculative_eagle_head_path is for speculative_algorithm='eagle', not {algo!r}")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi <= MAX_NGRAM_MATCH:
+            # The device drafter unrolls one comparison per n-gram length, and the host trie
+            # grows with the longest: bounded (SGLang's default longest is 12).
+            raise ValueError(
+                "need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size <= "
+                f"{MAX_NGRAM_MATCH}, got {lo} and {hi}"
+            )
         if algo is None:
+            unused = [name for name in ("speculative_num_steps", "speculative_num_draft_tokens",
+                                        "speculative_disable_by_batch_size") if getattr(self, name) is not None]
+            if unused:  # silently ignored, they would hide a missing speculative_algorithm
+                raise ValueError(f"{', '.join(unused)} {'needs' if len(unused) == 1 else 'need'} a "
+                                 "speculative_algorithm")
             return
         if self.speculative_eagle_topk != 1:
             raise ValueError(
@@ -184,14 +247,6 @@ class EngineConfig:
         object.__setattr__(self, "speculative_num_draft_tokens", window)
         if self.chunked_prefill_size < 2:
             raise ValueError("speculative decoding needs chunked_prefill_size >= 2")
-        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-        if algo in ("ngram", "ngram_device") and not 1 <= lo <= hi <= MAX_NGRAM_MATCH:
-            # The device drafter unrolls one comparison per n-gram length, and the host trie
-            # grows with the longest: bounded (SGLang's default longest is 12).
-            raise ValueError(
-                "need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size <= "
-                f"{MAX_NGRAM_MATCH}, got {lo} and {hi}"
-            )
 
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> "EngineConfig":

@@ -869,7 +869,8 @@ class Engine:
         may also run between steps while requests are in flight.
 
         With `prefill`, every prefill program (each rows x tokens bucket) is compiled too,
-        before the runs: then no request compiles anything, and no compilation after the
+        before the runs: then no request compiles anything (but one with prompt_logprobs,
+        offline scoring, whose prefill variant compiles on first use), and no compilation after the
         warm-up makes XLA drop the decode programs' recorded graphs (it drops every
         executable's graphs whenever it loads a new one). With `top_logprobs`, each program's
         variant that returns top logprobs too (twice the programs), which runs while any row

@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from typing import Iterable
 
 import jax
@@ -436,11 +437,34 @@ def abstract_params(cfg: ModelConfig, dtype, tp: int = 1) -> ModelParams:
 # --------------------------------------------------------------------------------------
 
 
+_FINGERPRINT_SAMPLES = 64  # blocks read from each weight file for its fingerprint
+_FINGERPRINT_BLOCK = 4096
+
+
+def _fingerprint(path: str, size: int) -> bytes:
+    """A weight file's header (tensor names, dtypes, offsets) and 64 blocks of 4 KiB spread
+    evenly over it: new weights of the same shapes (a retrained or re-seeded checkpoint)
+    change them, even where a copy kept the file's size and mtime (cp -p, rsync -a, tar).
+    256 KiB of reads per file, so a restart stays fast."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        head = f.read(8)
+        h.update(head)
+        if len(head) == 8:
+            h.update(f.read(min(int.from_bytes(head, "little"), size)))
+        for i in range(_FINGERPRINT_SAMPLES):
+            f.seek(i * max(size - _FINGERPRINT_BLOCK, 0) // max(_FINGERPRINT_SAMPLES - 1, 1))
+            h.update(f.read(_FINGERPRINT_BLOCK))
+    return h.digest()
+
+
 def cache_key(model_path: str, dtype, files: Iterable[str] | None = None,
               shards: tuple[int, int] = (1, 1)) -> str:
     """Hash of what determines the converted params: path, dtype, config.json, each weight
-    file's name, size and mtime (so re-downloaded weights miss the cache), and the fused
-    columns' per-shard layout `shards` = params.layout_shards(cfg, tp)."""
+    file's name, size, mtime and sampled content (`_fingerprint`: so re-downloaded or
+    replaced weights miss the cache), and the fused columns' per-shard layout `shards` =
+    params.layout_shards(cfg, tp). A change that keeps all of these (one tensor edited in
+    place between the sampled blocks, its mtime restored) is not seen: delete the entry."""
     h = hashlib.sha256()
     h.update(f"v{_CACHE_VERSION}\0{os.path.abspath(model_path)}\0{jnp.dtype(dtype).name}\0".encode())
     with open(os.path.join(model_path, "config.json"), "rb") as f:
@@ -450,6 +474,7 @@ def cache_key(model_path: str, dtype, files: Iterable[str] | None = None,
     for path in sorted(files if files is not None else safetensors_files(model_path)):
         st = os.stat(path)
         h.update(f"{os.path.basename(path)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        h.update(_fingerprint(path, st.st_size))
     return h.hexdigest()[:32]
 
 
@@ -504,7 +529,7 @@ def load_params(
     load_format: "auto" / "safetensors" read the HF checkpoint in `model_path`; "dummy"
     generates random weights (deterministic for `seed`) without reading any weight file.
     cache_dir: when set, converted safetensors weights are saved there with orbax and later
-    loads of the same checkpoint (same path, dtype, config.json and file sizes/mtimes)
+    loads of the same checkpoint (same path, dtype, config.json and weight files: `cache_key`)
     restore them instead of converting again.
     tensor_parallel_size: lay the fused wqkv / bqkv / w_gate_up columns out in per-shard
     blocks for this many devices (models/params.py); 1 is the plain HF order.
@@ -535,6 +560,10 @@ def load_params(
     if cached and not os.path.isdir(cached):
         try:
             os.makedirs(os.path.dirname(cached), exist_ok=True)
+            # Orbax's background save would wait 300 s for a folder it cannot make, holding
+            # the process at exit: a folder that takes no file is found out here.
+            with tempfile.TemporaryFile(dir=os.path.dirname(cached)):
+                pass
             _save_cached(cached, params)
             logger.info("saved converted weights to %s", cached)
         except Exception as e:

@@ -47,8 +47,48 @@ def test_impossible_sampling_params(kwargs, match):
 def test_impossible_max_context_len_is_refused(bad):
     from jaxoverlap.config import EngineConfig
 
-    with pytest.raises(ValueError, match="max_context_len must be an integer >= 2"):
+    with pytest.raises(ValueError, match="max_context_len must be an integer"):
         EngineConfig(max_context_len=bad)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(page_size="16"), "page_size must be an integer"),
+    (dict(page_size=16.0), "page_size must be an integer"),
+    (dict(max_running_requests=2.5), "max_running_requests must be an integer"),
+    (dict(kv_cache_tokens=100.5), "kv_cache_tokens must be an integer or None"),
+    (dict(kv_cache_tokens=0), "kv_cache_tokens must be >= 1"),
+    (dict(kv_cache_tokens=-8), "kv_cache_tokens must be >= 1"),
+    (dict(tensor_parallel_size="2"), "tensor_parallel_size must be an integer"),
+    (dict(kv_cache_memory_fraction="0.5"), "kv_cache_memory_fraction must be a number"),
+    (dict(disable_overlap="False"), "disable_overlap must be True or False"),
+    (dict(speculative_algorithm=5), "speculative_algorithm must be a string or None"),
+    (dict(compilation_cache_dir=123), "compilation_cache_dir must be a string or None"),
+    (dict(batch_buckets=(-2, 4)), "batch_buckets must be batch sizes >= 1"),
+    (dict(batch_buckets=(2.5, 4)), "batch_buckets must be batch sizes >= 1"),
+    (dict(batch_buckets=()), "batch_buckets must be batch sizes >= 1"),
+    (dict(batch_buckets="24"), "batch_buckets must be a list"),
+    (dict(speculative_num_steps=3), "speculative_num_steps needs a speculative_algorithm"),
+    (dict(speculative_disable_by_batch_size=4), "needs a speculative_algorithm"),
+    (dict(speculative_ngram_min_match_window_size=9, speculative_ngram_max_match_window_size=2), "min_match"),
+])
+def test_options_of_the_wrong_kind_are_refused_by_name(options, match):
+    """A string or float where an integer belongs, "False" for a flag, an impossible bucket
+    list, speculative options without a drafter: a ValueError naming the option, before
+    anything is built (they failed deep in JAX, or were silently taken otherwise)."""
+    from jaxoverlap.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**options)
+
+
+def test_options_are_normalized():
+    import numpy as np
+
+    from jaxoverlap.config import EngineConfig
+
+    cfg = EngineConfig(page_size=np.int64(8), batch_buckets=[4, 2, 2])
+    assert type(cfg.page_size) is int and cfg.page_size == 8
+    assert cfg.batch_buckets == (2, 4)  # sorted, each once
 
 
 def test_bad_prompts_are_rejected_and_others_keep_running():

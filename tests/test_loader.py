@@ -421,6 +421,44 @@ def test_orbax_cache_round_trip(hf_checkpoint, tmp_path, monkeypatch):
     assert os.path.isdir(loader.cache_path(cache, path, jnp.float32))
 
 
+def test_weights_replaced_with_their_size_and_mtime_miss_the_cache(hf_checkpoint, tmp_path):
+    """Other weights of the same shapes copied in with the old file's mtime (cp -p, rsync -a,
+    tar): the cache key samples the file's content, so the new weights are loaded."""
+    path, cache, cfg, first, entry = _cached_checkpoint(hf_checkpoint, tmp_path)
+    weights = os.path.join(path, "model.safetensors")
+    st = os.stat(weights)
+    shutil.copy(os.path.join(hf_checkpoint("qwen2", seed=1), "model.safetensors"), weights)
+    assert os.path.getsize(weights) == st.st_size
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert loader.cache_path(cache, path, jnp.float32) != entry
+    again = load_params(path, cfg, jnp.float32, cache_dir=cache)
+    fresh = load_params(path, cfg, jnp.float32)
+    assert not np.array_equal(np.asarray(again.embed), np.asarray(first.embed))
+    for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_cache_folder_that_takes_no_file_is_skipped(hf_checkpoint, tmp_path, monkeypatch, caplog):
+    """A weights_cache_dir that cannot be written (a read-only mount) costs a warning, not
+    orbax's background save waiting 300 s for its folder at exit."""
+    path = str(tmp_path / "m")
+    shutil.copytree(hf_checkpoint("qwen2"), path)
+    cfg = ModelConfig.from_path(path)
+
+    def refuse(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    def no_save(*a, **k):
+        raise AssertionError("orbax asked to save into a folder that takes no file")
+
+    monkeypatch.setattr(loader.tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(loader, "_save_cached", no_save)
+    with caplog.at_level("WARNING", logger=loader.__name__):
+        params = load_params(path, cfg, jnp.float32, cache_dir=str(tmp_path / "cache"))
+    assert "could not write weights cache" in caplog.text and "Read-only" in caplog.text
+    np.testing.assert_array_equal(np.asarray(params.embed), np.asarray(load_params(path, cfg, jnp.float32).embed))
+
+
 # orbax leaves the coroutines of the failed restore to the collector, which reports their
 # error as unraisable: collected below, and where some outlive that, ignored in any later
 # test by their name (pyproject.toml's filterwarnings).
