@@ -1,8 +1,10 @@
 """Shared pieces of the GPU benchmark scripts: model shapes, timing, the results table."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -48,8 +50,10 @@ TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=128, intermediate_size=256, nu
 
 
 def model_dir(config: dict) -> str:
-    """A checkpoint folder holding only config.json, for load_format='dummy'."""
+    """A checkpoint folder holding only config.json, for load_format='dummy'; removed when
+    the process exits (a server it starts is stopped before then)."""
     d = tempfile.mkdtemp(prefix="jaxoverlap-model-")
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(config, f)
     return d

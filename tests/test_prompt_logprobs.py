@@ -112,7 +112,8 @@ def test_loglikelihood_of_continuations():
     other = [(t + 1) % llm.engine.model_config.vocab_size for t in greedy.token_ids]
     scores = llm.loglikelihood([(context, greedy.token_ids), (context, other), ("Once upon a time", " there")])
     [full] = llm.generate([context + greedy.token_ids], SCORE)
-    assert scores[0] == (pytest.approx(sum(full.prompt_logprobs[len(context):]), abs=1e-6), True)
+    # The two runs batch the prompt differently: float32 rounding apart (a few 1e-6 on CPU).
+    assert scores[0] == (pytest.approx(sum(full.prompt_logprobs[len(context):]), abs=2e-5), True)
     assert scores[1][0] < scores[0][0] and scores[1][1] is False
     assert scores[2][0] < 0
     with pytest.raises(InvalidRequestError, match="non-empty"):

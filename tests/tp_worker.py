@@ -177,7 +177,8 @@ def main():
     mixed = {0: [("g", prompt[:9], params), ("p", prompt, dataclasses.replace(penalized, top_logprobs=0))],
              2: [("g2", prompt[3:20], params)]}
     for tp in (1, 2):
-        eng = make_engine(vcfg, tensor_parallel_size=tp, **xla)
+        # One batch bucket and a short context: fewer programs for the warm-up to compile.
+        eng = make_engine(vcfg, tensor_parallel_size=tp, **xla, batch_buckets=(4,), max_context_len=64)
         if tp == 2:
             eng.warmup(sampling=(False, True), prefill=True)
         finals = run_workload(eng, mixed)
