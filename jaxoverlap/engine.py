@@ -203,11 +203,13 @@ def _ended_by_token(req: Request) -> bool:
     return req.finish_reason == "stop" and bool(req.output_ids) and req.output_ids[-1] in req.stop_ids
 
 
-def _cut_at_stop_string(req: Request) -> bool:
+def _cut_at_stop_string(req: Request, fresh_from: int = 0) -> bool:
     """Cut the request's unsent text before the first of its stop strings in it (after it,
-    with include_stop_str_in_output); whether one was there. Of stop strings found at one
-    place, the longest is the one included."""
-    hits = [(i, len(s)) for s in req.params.stop if (i := req.pending_text.find(s)) >= 0]
+    with include_stop_str_in_output); whether one was there. Only a stop string that ends
+    after `fresh_from` counts (the text before it was searched already, or came before
+    min_new_tokens). Of stop strings found at one place, the longest is the one included."""
+    text = req.pending_text
+    hits = [(i, len(s)) for s in req.params.stop if (i := text.find(s, max(0, fresh_from - len(s) + 1))) >= 0]
     if hits:
         at = min(i for i, _ in hits)
         if req.params.include_stop_str_in_output:
@@ -779,8 +781,13 @@ class Engine:
         output has grown."""
         if req.detok is None:
             return None
+        before = len(req.pending_text)
         req.pending_text += req.detok.step(req.output_ids[-1])
-        return "stop" if req.params.stop and _cut_at_stop_string(req) else None
+        # As vLLM: no stop string ends the output within its first min_new_tokens tokens
+        # (nor one that ends in their text).
+        if not req.params.stop or len(req.output_ids) <= req.params.min_new_tokens:
+            return None
+        return "stop" if _cut_at_stop_string(req, before) else None
 
     def _make_outputs(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
         reqs = updated
@@ -799,11 +806,13 @@ class Engine:
                 # cut character, and complete ones in front of it in the same token) comes out
                 # at the end. Not after a stop string: the text ends there. (A completed grammar
                 # was flushed in _check_token.)
+                checked = len(req.pending_text)
                 if params.include_stop_str_in_output and _ended_by_token(req):
                     req.pending_text += req.detok.step(req.output_ids[-1])
                 req.pending_text += req.detok.flush()
                 # That held-back text never met the stop check: a stop string in it still ends the text.
-                if _cut_at_stop_string(req) and req.finish_reason == "length":
+                if (params.stop and n_ids > params.min_new_tokens and _cut_at_stop_string(req, checked)
+                        and req.finish_reason == "length"):
                     req.finish_reason = "stop"
             new_ids = req.output_ids[req.num_emitted:]
             new_lp = req.output_logprobs[req.num_emitted:] if params.logprobs else None

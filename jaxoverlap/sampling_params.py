@@ -48,7 +48,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # No stop token (EOS unless ignore_eos, stop_token_ids) among the first this many output
     # tokens: they are masked on the device (vLLM's min_tokens, SGLang's min_new_tokens).
-    # Stop strings still apply.
+    # Nor does a stop string end the output there: as in vLLM, only one that ends in the
+    # text of a later token counts.
     min_new_tokens: int = 0
     # Added to the logits of these token ids before the token is chosen (OpenAI's
     # logit_bias; -100 bans a token, +100 all but forces it). A dict {token id: bias} (JSON

@@ -49,6 +49,31 @@ def test_stop_string_truncates_text(llm):
     llm.engine.check_integrity()
 
 
+def test_no_stop_string_ends_the_output_within_min_new_tokens(llm):
+    """As vLLM: a stop string counts only where it ends in the text of a token after the first
+    min_new_tokens; one that ends earlier is kept, and the next occurrence after them stops."""
+    prompt = "Once upon a time"
+    greedy = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    [full] = llm.generate([prompt], SamplingParams(**greedy))
+    tok = llm.tokenizer
+    texts = [tok.decode(full.token_ids[:n]) for n in range(len(full.token_ids) + 1)]
+    # A character that occurs in the first tokens' text and again later.
+    k, ch = next((k, c) for k in range(2, 12) for c in texts[k][len(texts[k - 1]):]
+                 if not c.isspace() and c in texts[-1][len(texts[k]):])
+    first = texts[-1].index(ch)
+    [plain] = llm.generate([prompt], SamplingParams(**greedy, stop=[ch]))
+    assert plain.finish_reason == "stop" and plain.text == texts[-1][:first]
+    [held] = llm.generate([prompt], SamplingParams(**greedy, stop=[ch], min_new_tokens=k))
+    later = texts[-1].index(ch, len(texts[k]))
+    assert held.finish_reason == "stop" and held.text == texts[-1][:later], (held.text, k, ch)
+    # The stop string's end decides: one that spans the last banned token and the next counts.
+    n = next(n for n in range(k, len(texts) - 1) if len(texts[n]) > len(texts[n - 1]) and len(texts[n + 1]) > len(texts[n]))
+    span = texts[n + 1][len(texts[n]) - 1 : len(texts[n]) + 1]
+    [spanning] = llm.generate([prompt], SamplingParams(**greedy, stop=[span], min_new_tokens=n))
+    assert spanning.finish_reason == "stop" and spanning.text == texts[-1][: texts[-1].index(span, len(texts[n]) - 1)]
+    llm.engine.check_integrity()
+
+
 def test_include_stop_str_in_output(llm):
     """The text ends with the stop string that ended it, streamed or not; of two stops at one
     place the longer; a stop string past the held-back tail (found only at the flush) too."""
