@@ -206,8 +206,11 @@ def _ended_by_token(req: Request) -> bool:
 def _cut_at_stop_string(req: Request, fresh_from: int = 0) -> bool:
     """Cut the request's unsent text before the first of its stop strings in it (after it,
     with include_stop_str_in_output); whether one was there. Only a stop string that ends
-    after `fresh_from` counts (the text before it was searched already, or came before
-    min_new_tokens). Of stop strings found at one place, the longest is the one included."""
+    after `fresh_from` counts (the text before it was searched already), and none within
+    the first min_new_tokens tokens (vLLM's rule: nor one ending in their text). Of stop
+    strings found at one place, the longest is the one included."""
+    if len(req.output_ids) <= req.params.min_new_tokens:
+        return False
     text = req.pending_text
     hits = [(i, len(s)) for s in req.params.stop if (i := text.find(s, max(0, fresh_from - len(s) + 1))) >= 0]
     if hits:
@@ -783,11 +786,7 @@ class Engine:
             return None
         before = len(req.pending_text)
         req.pending_text += req.detok.step(req.output_ids[-1])
-        # As vLLM: no stop string ends the output within its first min_new_tokens tokens
-        # (nor one that ends in their text).
-        if not req.params.stop or len(req.output_ids) <= req.params.min_new_tokens:
-            return None
-        return "stop" if _cut_at_stop_string(req, before) else None
+        return "stop" if req.params.stop and _cut_at_stop_string(req, before) else None
 
     def _make_outputs(self, updated: list[Request], finished: list[Request]) -> list[RequestOutput]:
         reqs = updated
@@ -811,8 +810,7 @@ class Engine:
                     req.pending_text += req.detok.step(req.output_ids[-1])
                 req.pending_text += req.detok.flush()
                 # That held-back text never met the stop check: a stop string in it still ends the text.
-                if (params.stop and n_ids > params.min_new_tokens and _cut_at_stop_string(req, checked)
-                        and req.finish_reason == "length"):
+                if _cut_at_stop_string(req, checked) and req.finish_reason == "length":
                     req.finish_reason = "stop"
             new_ids = req.output_ids[req.num_emitted:]
             new_lp = req.output_logprobs[req.num_emitted:] if params.logprobs else None
