@@ -44,9 +44,42 @@ QWEN3_8B = {
 }
 
 
+# Qwen3-30B-A3B: 128 experts of width 768, 8 per token (about 3.3B of its 30.5B weights per token).
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 151645, "bos_token_id": 151643,
+}
+
+
 # Qwen3-8B's layout shrunk for CPU smoke runs of the benchmark scripts (--tiny).
 TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+TINY_MOE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=128, moe_intermediate_size=64, num_experts=16,
+                num_experts_per_tok=4, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32)
+# --model choices of the benchmarks that take one: (GPU shapes, CPU smoke shapes).
+MODELS = {"qwen3-8b": (QWEN3_8B, TINY), "qwen3-30b-a3b": (QWEN3_30B_A3B, TINY_MOE)}
+
+
+def step_bytes(params, cfg, batch: int) -> int:
+    """Weight bytes one decode step of `batch` tokens must read: all of them for a dense
+    model; for a mixture of experts, the experts a batch of independent tokens is expected
+    to reach (E (1 - (1 - k/E)^B) per layer, as if routing were uniform) and everything else."""
+    import jax
+
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    if not cfg.is_moe:
+        return total
+    from jaxoverlap.models.params import layer_at, num_layers
+
+    E, k = cfg.num_experts, cfg.experts_per_token
+    experts = sum(x.size * x.dtype.itemsize for i in range(num_layers(params))
+                  for x in (layer_at(params, i).w_gate_up, layer_at(params, i).w_down))
+    reached = E * (1 - (1 - k / E) ** batch)
+    return int(total - experts + experts * reached / E)
 
 
 def model_dir(config: dict) -> str:

@@ -3,6 +3,10 @@ throughput with overlap on and off in the same run, and host time per step.
 
     python benchmarks/decode_bench.py --batches 1 8 32 64 --out results.json
 
+`--model qwen3-30b-a3b` runs the mixture-of-experts model instead; its floor per batch is
+the bytes of the experts a batch is expected to reach plus all other weights
+(common.step_bytes), and `floor_all_ms` that of every weight.
+
 Prints a table and writes JSON. Meant for the GPU; runs on CPU with --tiny.
 """
 from __future__ import annotations
@@ -15,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, git_commit, copy_bandwidth_gbs, ensure_importable, median, model_dir, print_table  # noqa: E402
+from common import MODELS, git_commit, copy_bandwidth_gbs, ensure_importable, median, model_dir, print_table, step_bytes  # noqa: E402
 
 
 
@@ -119,6 +123,7 @@ def main():
     ap.add_argument("--prompt-len-jitter", type=int, default=0,
                     help="prompts of prompt_len + [0, N) tokens: rows then cross page boundaries on different "
                          "steps, so most steps reserve pages (0: every row reserves on the same step)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     ap.add_argument("--out", default="decode_bench.json")
     args = ap.parse_args()
@@ -134,7 +139,7 @@ def main():
     max_b = max(args.batches)
     ctx = 1024
     engine = Engine(EngineConfig(
-        model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy", dtype="bfloat16",
+        model=model_dir(MODELS[args.model][1 if args.tiny else 0]), load_format="dummy", dtype="bfloat16",
         max_running_requests=max_b, max_context_len=ctx, kv_cache_tokens=max_b * ctx // 2,
         chunked_prefill_size=2048, max_prefill_requests=8, page_size=16, batch_buckets=tuple(sorted(args.batches)),
         attention_backend=args.attention_backend,
@@ -188,7 +193,9 @@ def main():
                 first_outputs = res[True]["outputs"]
             # bf16: another kernel may round differently, so report how many tokens agree.
             same_tokens = sum(a == b for k, v in res[True]["outputs"].items() for a, b in zip(v, first_outputs[k]))
-            rows.append(make_row(B, variant, compile_s, dev_ms, floor_ms, res))
+            batch_floor_ms = step_bytes(engine.runner.params, engine.model_config, B) / (bw * 1e9) * 1e3
+            rows.append(make_row(B, variant, compile_s, dev_ms, batch_floor_ms, res))
+            rows[-1]["floor_all_ms"] = floor_ms
             rows[-1]["tokens_as_first_variant"] = same_tokens / max(1, sum(len(v) for v in first_outputs.values()))
             write_json(args, bw, weight_bytes, floor_ms, rows)
             print_table(rows[-1:], ["batch", "variant", "device_step_ms", "step_over_floor", "overlap_period_ms",

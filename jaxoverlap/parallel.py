@@ -9,6 +9,7 @@ relay and the table are small and replicated, so every device reads its own copy
 | wqkv, w_gate_up (`[in, out]`, per-shard column blocks) | output axis over "tp" (column parallel) |
 | lm_head `[D, V]` | output axis over "tp" (column parallel) |
 | wo, w_down | input axis over "tp" (row parallel; XLA all-reduces the output) |
+| MoE experts' w_gate_up `[E, D, 2F]`, w_down `[E, F, D]` | as a dense MLP's: F over "tp" in every expert |
 | k_cache, v_cache `[L, S, KVH, HD]` | KV heads over "tp" |
 | draft_k_cache, draft_v_cache `[Ld, S, KVHd, HDd]` | with the Pallas kernels (under shard_map, split on heads): KV heads over "tp"; else replicated |
 | penalty history `[E, V]` | with lm_head split: the vocabulary over "tp", as the logits it meets; else replicated |
@@ -85,9 +86,13 @@ def param_shardings(params: ModelParams, mesh: Mesh) -> ModelParams:
         return None if x is None else _sharding(x, mesh, axis)
 
     def layer(l: LayerParams) -> LayerParams:
-        lead = len(l.wqkv.shape) - 2  # 1 for stacked [L or G, in, out] arrays
-        return dataclasses.replace(l, wqkv=split(l.wqkv, lead + 1), wo=split(l.wo, lead),
-                                   w_gate_up=split(l.w_gate_up, lead + 1), w_down=split(l.w_down, lead))
+        # Counted from the end: stacked layers ([L or G, ...]) and experts ([E, ...]) lead.
+        def last(x):
+            return None if x is None else len(x.shape) - 1
+
+        return dataclasses.replace(l, wqkv=split(l.wqkv, last(l.wqkv)), wo=split(l.wo, last(l.wo) - 1),
+                                   w_gate_up=split(l.w_gate_up, last(l.w_gate_up)),
+                                   w_down=split(l.w_down, last(l.w_down) - 1), w_router=split(l.w_router, None))
 
     stacked = isinstance(params.layers, LayerParams)
     return dataclasses.replace(

@@ -11,7 +11,10 @@ import numpy as np
 
 # HF `model_type` values we serve; Qwen2 is Qwen3 without qk-norm but with a qkv bias;
 # Mistral is Llama's layer, with a sliding window in some versions (`attention_window`).
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+# The mixture-of-experts families: Qwen3-MoE is Qwen3's attention with a routed MLP in every
+# layer, Mixtral is Mistral's (models/moe.py).
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
 class CheckpointError(ValueError):
@@ -86,11 +89,25 @@ class ModelConfig:
     # context of that many tokens this is full attention, which is what the engine computes,
     # so the engine serves contexts of at most this many tokens (Engine's max_context_len).
     attention_window: int | None = None
+    # Mixture of experts (0: a dense MLP). Each token's MLP is the weighted sum of the
+    # `experts_per_token` experts its router scores highest, each a SwiGLU MLP of width
+    # `intermediate_size`; `norm_topk_prob` renormalizes those experts' router probabilities
+    # to sum to 1 (Mixtral always does; Qwen3-MoE as its config says).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
                              f"(each KV head serves a group of query heads)")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.experts_per_token} must be between 1 and "
+                             f"num_experts={self.num_experts}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -149,7 +166,9 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # A MoE model's MLP width is its experts' (Qwen3-MoE's `intermediate_size` is that
+            # of dense layers it does not have here; Mixtral's is its experts').
+            intermediate_size=cfg["moe_intermediate_size"] if model_type == "qwen3_moe" else cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,  # null means as many as queries
@@ -159,11 +178,12 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             attention_window=_attention_window(cfg, model_type),
+            **_moe_fields(cfg, model_type),
         )
         try:
             config = cls(**fields)
@@ -197,10 +217,32 @@ class ModelConfig:
 def _attention_window(cfg: dict, model_type: str) -> int | None:
     """Mistral's sliding window (null in Mistral 7B v0.2 and later, 4096 in v0.1). Qwen2's
     `sliding_window` applies only with `use_sliding_window`, which is refused."""
-    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
         raise CheckpointError(f"sliding_window must be an integer >= 2 or null, got {window!r}")
     return window
+
+
+def _moe_fields(cfg: dict, model_type: str) -> dict:
+    """ModelConfig's mixture-of-experts fields from a MoE family's config.json (none for dense ones)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    # Qwen3-MoE writes `num_experts` (transformers 5 saves it as `num_local_experts`, Mixtral's name).
+    experts = cfg.get("num_experts", cfg.get("num_local_experts")) if model_type == "qwen3_moe" else cfg["num_local_experts"]
+    if experts is None:
+        raise KeyError("num_experts")
+    top_k = cfg["num_experts_per_tok"]
+    for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{name} must be a positive integer, got {value!r}")
+    if model_type == "qwen3_moe":
+        # Dense MLP layers between the MoE ones (Qwen3-MoE's `mlp_only_layers`, a
+        # `decoder_sparse_step` above 1): every layer here has the one MLP form.
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise CheckpointError("Qwen3-MoE with dense MLP layers (mlp_only_layers, decoder_sparse_step > 1) "
+                                  "is not supported; every layer must be a MoE layer")
+    return dict(num_experts=experts, experts_per_token=top_k,
+                norm_topk_prob=True if model_type == "mixtral" else bool(cfg.get("norm_topk_prob", False)))
 
 
 def _refuse_unsupported(cfg: dict) -> None:

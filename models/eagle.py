@@ -71,6 +71,8 @@ def head_config(target: ModelConfig, overrides: dict | None = None) -> ModelConf
         rope_theta=float(o.get("rope_theta", target.rope_theta)),
         qkv_bias=o.get("qkv_bias", target.qkv_bias),
         qk_norm=o.get("qk_norm", target.qk_norm),
+        # The head's layer has a dense MLP, also for a mixture-of-experts target.
+        num_experts=0, experts_per_token=0, norm_topk_prob=False,
     )
 
 

@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 # Bump when the converted layout changes, so stale orbax caches are not restored.
-_CACHE_VERSION = 1
+# 2: LayerParams has a `w_router` field (mixture of experts).
+_CACHE_VERSION = 2
 
 # safetensors dtype tags numpy cannot represent natively; read through ml_dtypes instead.
 _ML_DTYPES = {
@@ -199,6 +200,19 @@ def _to_param(parts: tuple[jax.Array, ...], *, transpose: bool, dtype, blocks: t
     return _constrain(to_shard_blocks(x, blocks, shards) if blocks else x, sharding)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "blocks", "shards", "sharding"))
+def _to_expert_param(parts: tuple[tuple[jax.Array, ...], ...], *, dtype, blocks: tuple[int, ...] = (),
+                     shards: int = 1, sharding=None) -> jax.Array:
+    """A MoE layer's experts' HF [out, in] matrices -> one [E, in, sum(out)] weight.
+
+    parts[j][e]: part j of expert e (gate and up for w_gate_up, down alone for w_down),
+    concatenated on the output axis in the order of j; blocks, shards, sharding as
+    `_to_param`'s."""
+    x = jnp.concatenate([jnp.stack(experts) for experts in parts], axis=1)  # j x [E, out_j, in] -> [E, sum(out), in]
+    x = jnp.swapaxes(x.astype(dtype), 1, 2)  # [E, in, sum(out)]
+    return _constrain(to_shard_blocks(x, blocks, shards) if blocks else x, sharding)
+
+
 def _expected_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     """Every tensor the checkpoint must hold for `cfg`, with its HF shape."""
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -211,12 +225,16 @@ def _expected_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]
             p + "self_attn.k_proj.weight": (kv, D),
             p + "self_attn.v_proj.weight": (kv, D),
             p + "self_attn.o_proj.weight": (D, q),
-            p + "mlp.gate_proj.weight": (F, D),
-            p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F),
             p + "input_layernorm.weight": (D,),
             p + "post_attention_layernorm.weight": (D,),
         })
+        names = _mlp_names(cfg, p)
+        if cfg.is_moe:
+            want[names.router] = (cfg.num_experts, D)
+            for e in range(cfg.num_experts):
+                want.update({names.gate(e): (F, D), names.up(e): (F, D), names.down(e): (D, F)})
+        else:
+            want.update({names.gate(None): (F, D), names.up(None): (F, D), names.down(None): (D, F)})
         if cfg.qkv_bias:
             want.update({
                 p + "self_attn.q_proj.bias": (q,),
@@ -228,6 +246,38 @@ def _expected_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]
     if not cfg.tie_word_embeddings:
         want["lm_head.weight"] = (V, D)
     return want
+
+
+@dataclasses.dataclass(frozen=True)
+class _MlpNames:
+    """Checkpoint names of one layer's MLP tensors: `gate(e)`, `up(e)`, `down(e)` of expert e
+    (e None in a dense layer), and the router's."""
+    layer: str  # "model.layers.{i}."
+    mixtral: bool
+
+    @property
+    def router(self) -> str:
+        return self.layer + ("block_sparse_moe.gate.weight" if self.mixtral else "mlp.gate.weight")
+
+    def _expert(self, e: int | None, qwen: str, mixtral: str) -> str:
+        if e is None:
+            return self.layer + f"mlp.{qwen}.weight"
+        if self.mixtral:
+            return self.layer + f"block_sparse_moe.experts.{e}.{mixtral}.weight"
+        return self.layer + f"mlp.experts.{e}.{qwen}.weight"
+
+    def gate(self, e: int | None) -> str:
+        return self._expert(e, "gate_proj", "w1")
+
+    def up(self, e: int | None) -> str:
+        return self._expert(e, "up_proj", "w3")
+
+    def down(self, e: int | None) -> str:
+        return self._expert(e, "down_proj", "w2")
+
+
+def _mlp_names(cfg: ModelConfig, layer_prefix: str) -> _MlpNames:
+    return _MlpNames(layer_prefix, mixtral=cfg.model_type == "mixtral")
 
 
 def _name_prefix(reader: SafetensorsReader) -> str:
@@ -290,17 +340,37 @@ def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, sha
         p = f"{prefix}layers.{i}.self_attn."
         return np.concatenate([reader.get(p + f"{x}_proj.bias") for x in "qkv"])  # [(H + 2KVH) * HD]
 
+    def experts(names_of, sharding, **layout) -> jax.Array:
+        # Each expert's part travels alone (a few MB), split as the [in, out] slice of the
+        # [E, in, out] target that it becomes.
+        part_target = None if sharding is None else jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:]))
+        parts = tuple(tuple(_put_part(reader.get(name(e)), part_target, True) for e in range(cfg.num_experts))
+                      for name in names_of)
+        return _place(_to_expert_param(parts, dtype=dtype, sharding=sharding, **layout), sharding)
+
     layers = []
     for i in range(cfg.num_layers):
         p, s = f"{prefix}layers.{i}.", where.layer(i)
+        names = _mlp_names(cfg, p)
+        if cfg.is_moe:
+            mlp = dict(
+                w_gate_up=experts((names.gate, names.up), s.w_gate_up, blocks=gate_up_sizes(cfg),  # [E, D, 2F]
+                                  shards=gate_up_shards),
+                w_down=experts((names.down,), s.w_down),  # [E, F, D]
+                w_router=matrix(names.router, sharding=s.w_router),  # [D, E]
+            )
+        else:
+            mlp = dict(
+                w_gate_up=matrix(names.gate(None), names.up(None),  # [D, 2F]
+                                 sharding=s.w_gate_up, blocks=gate_up_sizes(cfg), shards=gate_up_shards),
+                w_down=matrix(names.down(None), sharding=s.w_down),  # [F, D]
+            )
         layers.append(LayerParams(
             wqkv=matrix(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"),  # [D, (H + 2KVH) * HD]
                         sharding=s.wqkv, blocks=qkv_sizes(cfg), shards=qkv_shards),
             wo=matrix(p + "self_attn.o_proj.weight", sharding=s.wo),  # [H * HD, D]
-            w_gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",  # [D, 2F]
-                             sharding=s.w_gate_up, blocks=gate_up_sizes(cfg), shards=gate_up_shards),
-            w_down=matrix(p + "mlp.down_proj.weight", sharding=s.w_down),  # [F, D]
-            qkv_shards=qkv_shards, gate_up_shards=gate_up_shards,
+            qkv_shards=qkv_shards, gate_up_shards=gate_up_shards, **mlp,
         ))
     bqkv = None
     if cfg.qkv_bias:
@@ -333,7 +403,7 @@ class _Shardings:
 
     def layer(self, i: int) -> LayerParams:
         if self.shardings is None:
-            return LayerParams(wqkv=None, wo=None, w_gate_up=None, w_down=None)
+            return LayerParams(wqkv=None, wo=None, w_gate_up=None, w_down=None, w_router=None)
         return self.shardings.layers[i]
 
 
@@ -359,21 +429,25 @@ def _normal(key, shape, std: float, dtype) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "tp", "shardings"))
-def _dummy_layer(key, cfg: ModelConfig, dtype, tp: int = 1, shardings=(None,) * 4) -> LayerParams:
-    """One layer's random weights; `shardings` those of (wqkv, wo, w_gate_up, w_down)."""
+def _dummy_layer(key, cfg: ModelConfig, dtype, tp: int = 1, shardings=(None,) * 5) -> LayerParams:
+    """One layer's random weights; `shardings` those of (wqkv, wo, w_gate_up, w_down, w_router)."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
     gain = _TIED_RESIDUAL_GAIN if cfg.tie_word_embeddings else 1.0
     qkv_shards, gate_up_shards = layout_shards(cfg, tp)
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    s_qkv, s_o, s_gate_up, s_down = shardings
+    k5 = jax.random.fold_in(key, 4)  # the router's (a split into 5 would change dense models' weights)
+    s_qkv, s_o, s_gate_up, s_down, s_router = shardings
+    experts = (cfg.num_experts,) if cfg.is_moe else ()  # a MoE layer's leading expert axis
     # Drawn in the plain order and then permuted, so that a seed is one model at every tp.
     return LayerParams(
         wqkv=_constrain(to_shard_blocks(_normal(k1, (D, qkv), D ** -0.5, dtype), qkv_sizes(cfg), qkv_shards), s_qkv),
         wo=_constrain(_normal(k2, (cfg.q_size, D), gain * cfg.q_size ** -0.5, dtype), s_o),
-        w_gate_up=_constrain(to_shard_blocks(_normal(k3, (D, 2 * F), D ** -0.5, dtype), gate_up_sizes(cfg),
+        w_gate_up=_constrain(to_shard_blocks(_normal(k3, (*experts, D, 2 * F), D ** -0.5, dtype), gate_up_sizes(cfg),
                                              gate_up_shards), s_gate_up),
-        w_down=_constrain(_normal(k4, (F, D), gain * F ** -0.5, dtype), s_down),
+        w_down=_constrain(_normal(k4, (*experts, F, D), gain * F ** -0.5, dtype), s_down),
+        # Router logits of std ~1: each token's top experts are clearly ahead of the rest.
+        w_router=_constrain(_normal(k5, (D, cfg.num_experts), D ** -0.5, dtype), s_router) if cfg.is_moe else None,
         qkv_shards=qkv_shards, gate_up_shards=gate_up_shards,
     )
 
@@ -399,9 +473,11 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, tp: int = 1, shardings=
 
     def layer(i: int) -> LayerParams:
         s = where.layer(i)
-        made = _dummy_layer(jax.random.fold_in(k_layers, i), cfg, dtype, tp, (s.wqkv, s.wo, s.w_gate_up, s.w_down))
+        made = _dummy_layer(jax.random.fold_in(k_layers, i), cfg, dtype, tp,
+                            (s.wqkv, s.wo, s.w_gate_up, s.w_down, s.w_router))
         return dataclasses.replace(made, wqkv=_place(made.wqkv, s.wqkv), wo=_place(made.wo, s.wo),
-                                   w_gate_up=_place(made.w_gate_up, s.w_gate_up), w_down=_place(made.w_down, s.w_down))
+                                   w_gate_up=_place(made.w_gate_up, s.w_gate_up), w_down=_place(made.w_down, s.w_down),
+                                   w_router=_place(made.w_router, s.w_router))
 
     def matrix(key, shape, name: str) -> jax.Array:
         s = where.get(name)

@@ -10,6 +10,10 @@ matrices of each layer come from the loader as one LayerParams per layer. With
 through static slices `w[i % G]`. `layer_at` reads every form. Matrices are stored
 `x @ W` style: `[in, out]`.
 
+Mixture-of-experts layers (models/moe.py) hold their experts' MLPs in the same two fields,
+with an expert axis first: `w_gate_up [E, D, 2F]`, `w_down [E, F, D]`, and the router
+`w_router [D, E]` (None in dense layers). Stacking puts the layer axis before the expert axis.
+
 Fused column blocks under tensor parallelism. `wqkv` (and `bqkv`) fuse q, k and v on the
 output axis, `w_gate_up` fuses gate and up. Sharding such an axis over N devices in the
 plain order [q | k | v] would cut across the q/k/v boundaries, and XLA would then move
@@ -41,8 +45,9 @@ from jaxoverlap.models.config import ModelConfig
 class LayerParams:
     wqkv: jax.Array  # [D, (H + 2 * KVH) * HD]: per-shard [q | k | v] blocks (module docstring)
     wo: jax.Array  # [H * HD, D]
-    w_gate_up: jax.Array  # [D, 2 * F]: per-shard [gate | up] blocks
-    w_down: jax.Array  # [F, D]
+    w_gate_up: jax.Array  # [D, 2 * F]: per-shard [gate | up] blocks ([E, D, 2 * F] in a MoE layer)
+    w_down: jax.Array  # [F, D] ([E, F, D] in a MoE layer)
+    w_router: jax.Array | None = None  # [D, E]: a MoE layer's router; None in a dense layer
     # Static, so the forward knows how to split the fused outputs at trace time.
     qkv_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
     gate_up_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
@@ -62,7 +67,13 @@ class ModelParams:
     bqkv: jax.Array | None = None  # [L, (H + 2 * KVH) * HD] (Qwen2 qkv bias), in the layers' qkv_shards layout
 
 
-MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "w_router")
+
+
+def matrices(layer: LayerParams) -> tuple[str, ...]:
+    """The names of `layer`'s weight arrays (MATRICES less those a dense layer lacks)."""
+    return tuple(name for name in MATRICES if getattr(layer, name) is not None)
+
 
 def _is_grouped(layers) -> bool:
     """Whether `layers` is a tuple of [G, in, out] groups (not one LayerParams per layer)."""
@@ -95,12 +106,12 @@ def layer_at(params: ModelParams, i: int) -> LayerParams:
     layers = params.layers
     if isinstance(layers, LayerParams):
         # [L, in, out] -> [in, out]
-        return dataclasses.replace(layers, **{name: getattr(layers, name)[i] for name in MATRICES})
+        return dataclasses.replace(layers, **{name: getattr(layers, name)[i] for name in matrices(layers)})
     if _is_grouped(layers):  # groups of G consecutive layers (the last may hold fewer)
         G = layers[0].wqkv.shape[0]
         group = layers[i // G]
         # [G, in, out] -> [in, out]
-        return dataclasses.replace(group, **{name: getattr(group, name)[i % G] for name in MATRICES})
+        return dataclasses.replace(group, **{name: getattr(group, name)[i % G] for name in matrices(group)})
     return layers[i]
 
 
@@ -130,7 +141,7 @@ def stack_layers(params: ModelParams, *, group_size: int | None = None, delete_s
     if G < 1:
         raise ValueError(f"group_size must be at least 1, not {G}")
     groups = [dict() for _ in range(0, len(layers), G)]
-    for name in MATRICES:
+    for name in matrices(first):
         for g, start in enumerate(range(0, len(layers), G)):
             parts = [getattr(l, name) for l in layers[start:start + G]]
             groups[g][name] = jnp.stack(parts)  # G x [in, out] -> [G, in, out]
@@ -159,6 +170,7 @@ def layout_shards(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     (both H and KVH, so that no GQA group straddles two devices) or F divide by it, else 1:
     the plain layout, whose axis parallel.py then shards or replicates as before."""
     qkv = tp if cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0 else 1
+    # F is the MLP's width, each expert's in a MoE model (whose experts split the same way).
     gate_up = tp if cfg.intermediate_size % tp == 0 else 1
     return qkv, gate_up
 

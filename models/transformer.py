@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by Qwen3, Qwen2 and Llama 3.x, over a paged KV cache.
+"""The decoder-only transformer shared by Qwen3, Qwen2, Llama 3.x, Mistral and their
+mixture-of-experts kin (Qwen3-MoE, Mixtral: models/moe.py), over a paged KV cache.
 
 One forward covers every kind of step: a batch is `R` rows of `Q` query tokens each
 (decode: Q=1; speculative verify: Q=1+k; chunked prefill: Q=chunk), every row belongs to
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoverlap.models.config import ModelConfig
+from jaxoverlap.models.moe import moe_mlp
 from jaxoverlap.models.params import LayerParams, ModelParams, layer_at, num_layers
 # The XLA gather path is the CPU production path and the reference of the Pallas kernels.
 from jaxoverlap.pallas_kernels.reference import paged_attention_ref as xla_paged_attention
@@ -69,6 +71,13 @@ def gated_mlp(h: jax.Array, lw: LayerParams) -> jax.Array:
     gate = gate_up[..., : F // N].reshape(R, Q, F)  # [R, Q, N, F/N] -> [R, Q, F], column s*F/N + j
     up = gate_up[..., F // N :].reshape(R, Q, F)
     return jnp.dot(jax.nn.silu(gate) * up, lw.w_down)  # [R, Q, D]
+
+
+def mlp(h: jax.Array, lw: LayerParams, cfg: ModelConfig) -> jax.Array:
+    """The layer's MLP over [R, Q, D]: routed experts in a MoE layer, else one SwiGLU."""
+    if lw.w_router is not None:
+        return moe_mlp(h, lw, top_k=cfg.experts_per_token, normalize=cfg.norm_topk_prob)
+    return gated_mlp(h, lw)
 
 
 def write_cache(cache: jax.Array, layer: int, slots: jax.Array, valid: jax.Array, values: jax.Array) -> jax.Array:
@@ -165,7 +174,7 @@ def forward(
         x, h = add_norm(x, jnp.dot(o.reshape(R, Q, H * HD), lw.wo), params.mlp_norm, i)  # [R, Q, D]
         # The residual add of the MLP comes with the next layer's input norm (the final norm last).
         last = i == L - 1
-        x, h = add_norm(x, gated_mlp(h, lw), params.final_norm[None] if last else params.attn_norm,
+        x, h = add_norm(x, mlp(h, lw, cfg), params.final_norm[None] if last else params.attn_norm,
                         0 if last else i + 1)
     return h, k_cache, v_cache
 

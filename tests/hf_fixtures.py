@@ -36,6 +36,20 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=512,
         rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=96,
     ),
+    # Mixture of experts: Qwen3's attention, 8 experts of width 48, 2 per token, unnormalized
+    # top-k weights (Qwen3-MoE's default; the 30B-A3B checkpoint normalizes: norm_topk_prob).
+    "qwen3_moe": dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    # Mistral's attention, 4 experts of width 56, 2 per token (renormalized, as Mixtral always).
+    "mixtral": dict(
+        vocab_size=176, hidden_size=64, intermediate_size=56, num_local_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
 }
 
 
@@ -43,7 +57,8 @@ def tiny_hf_config(family: str, **overrides):
     import transformers
 
     cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
-           "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[family]
+           "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[family]
     kwargs = {**FAMILIES[family], **overrides}
     return cls(**kwargs)
 
@@ -78,8 +93,8 @@ def peaked_init_(model, seed: int = 0) -> None:
                 p.copy_(0.1 * noise)
             elif "embed_tokens" in name or name == "lm_head.weight":
                 p.copy_(noise)
-            else:  # nn.Linear weight [out, in]
-                p.copy_(noise / p.shape[1] ** 0.5)
+            else:  # nn.Linear weight [out, in], or experts' [E, out, in] (a MoE router's [E, in])
+                p.copy_(noise / p.shape[-1] ** 0.5)
 
 
 def make_hf_checkpoint(

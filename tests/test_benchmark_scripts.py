@@ -40,6 +40,19 @@ def test_decode_bench(tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_decode_bench_moe(tmp_path):
+    res = run_script(tmp_path, "decode_bench", "--tiny", "--model", "qwen3-30b-a3b", "--batches", "1", "4",
+                     "--new-tokens", "8", "--device-iters", "2")
+    rows = res["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["greedy_identical"], r
+    # A batch of 1 reaches 4 of the 16 experts, a batch of 4 about 11: a floor between the
+    # non-expert weights' and all weights'.
+    assert rows[0]["floor_ms"] < rows[1]["floor_ms"] < rows[1]["floor_all_ms"]
+
+
+@pytest.mark.timeout(400)
 def test_spec_bench(tmp_path):
     res = run_script(tmp_path, "spec_bench", "--tiny", "--batches", "1", "--algos", "plain", "ngram_device",
                      "--device-iters", "2", "--new-tokens", "16", "--compare-single-executable")

@@ -17,7 +17,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.loader import CheckpointError, default_model_path, load_params
 from jaxoverlap.models.params import ModelParams
 
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "mixtral"]
 
 
 def _state_dict(path: str) -> dict[str, np.ndarray]:
@@ -44,9 +44,22 @@ def _expected(sd: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
     for i in range(L):
         exp[f"layers.{i}.wqkv"] = np.concatenate([lay(i, f"self_attn.{x}_proj.weight").T for x in "qkv"], axis=1)
         exp[f"layers.{i}.wo"] = lay(i, "self_attn.o_proj.weight").T
-        exp[f"layers.{i}.w_gate_up"] = np.concatenate(
-            [lay(i, "mlp.gate_proj.weight").T, lay(i, "mlp.up_proj.weight").T], axis=1)
-        exp[f"layers.{i}.w_down"] = lay(i, "mlp.down_proj.weight").T
+        if cfg.model_type == "mixtral":
+            expert = lambda i, e, n: lay(i, f"block_sparse_moe.experts.{e}.{n}.weight")  # noqa: E731
+            gate, up, down, router = "w1", "w3", "w2", "block_sparse_moe.gate.weight"
+        else:
+            expert = lambda i, e, n: lay(i, f"mlp.experts.{e}.{n}.weight")  # noqa: E731
+            gate, up, down, router = "gate_proj", "up_proj", "down_proj", "mlp.gate.weight"
+        if cfg.is_moe:  # [E, D, 2F], [E, F, D], [D, E]
+            E = cfg.num_experts
+            exp[f"layers.{i}.w_gate_up"] = np.stack([
+                np.concatenate([expert(i, e, gate).T, expert(i, e, up).T], axis=1) for e in range(E)])
+            exp[f"layers.{i}.w_down"] = np.stack([expert(i, e, down).T for e in range(E)])
+            exp[f"layers.{i}.w_router"] = lay(i, router).T
+        else:
+            exp[f"layers.{i}.w_gate_up"] = np.concatenate(
+                [lay(i, "mlp.gate_proj.weight").T, lay(i, "mlp.up_proj.weight").T], axis=1)
+            exp[f"layers.{i}.w_down"] = lay(i, "mlp.down_proj.weight").T
     if not cfg.tie_word_embeddings:
         exp["lm_head"] = sd["lm_head.weight"].T
     if cfg.qk_norm:
@@ -86,7 +99,7 @@ def test_single_file_float32(hf_checkpoint, family):
     _assert_params_match(params, path, cfg)
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
     # Family flags select the optional leaves.
-    assert (params.q_norm is not None) == (family == "qwen3")
+    assert (params.q_norm is not None) == (family in ("qwen3", "qwen3_moe"))
     assert (params.bqkv is not None) == (family == "qwen2")
     assert (params.lm_head is None) == (family == "qwen2")  # the qwen2 fixture is tied
 
@@ -156,6 +169,20 @@ def test_missing_tensor_is_an_error(hf_checkpoint, tmp_path):
     del sd["model.layers.1.mlp.up_proj.weight"]
     save_file(sd, os.path.join(path, "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_params(path, ModelConfig.from_path(path), jnp.float32)
+
+
+def test_a_missing_expert_is_an_error(hf_checkpoint, tmp_path):
+    from safetensors.numpy import save_file
+
+    src = hf_checkpoint("qwen3_moe")
+    path = str(tmp_path / "m")
+    os.makedirs(path)
+    shutil.copy(os.path.join(src, "config.json"), path)
+    sd = _state_dict(src)
+    del sd["model.layers.0.mlp.experts.7.down_proj.weight"]
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.7\.down_proj\.weight"):
         load_params(path, ModelConfig.from_path(path), jnp.float32)
 
 

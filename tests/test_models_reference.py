@@ -19,7 +19,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.loader import default_model_path, load_params
 from jaxoverlap.models.params import ModelParams
 
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "mixtral"]
 REL_TOL = 1e-4
 
 
@@ -77,11 +77,31 @@ def _oracle_logits(params: ModelParams, cfg: ModelConfig, token_ids) -> np.ndarr
         o = np.einsum("hts,shd->thd", p, v).reshape(T, H * HD)
         x = x + o @ f64(lw.wo)
         h = norm(x, f64(params.mlp_norm)[i])
-        gate, up = np.split(h @ f64(lw.w_gate_up), 2, axis=-1)
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ f64(lw.w_down)
+        x = x + (_oracle_moe(h, lw, cfg) if lw.w_router is not None else _oracle_swiglu(h, lw.w_gate_up, lw.w_down))
     x = norm(x, f64(params.final_norm))
     head = f64(params.embed).T if params.lm_head is None else f64(params.lm_head)  # [D, V]
     return x @ head
+
+
+def _oracle_swiglu(h, w_gate_up, w_down):
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    gate, up = np.split(h @ f64(w_gate_up), 2, axis=-1)
+    return (gate / (1 + np.exp(-gate)) * up) @ f64(w_down)
+
+
+def _oracle_moe(h, lw, cfg: ModelConfig):
+    """Token by token: softmax over the router's logits, the top k, their SwiGLU outputs summed."""
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    logits = h @ f64(lw.w_router)  # [T, E]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        top = np.argsort(-probs[t], kind="stable")[: cfg.experts_per_token]
+        weights = probs[t, top] / (probs[t, top].sum() if cfg.norm_topk_prob else 1.0)
+        for e, w in zip(top, weights):
+            out[t] += w * _oracle_swiglu(h[t], np.asarray(lw.w_gate_up[e]), np.asarray(lw.w_down[e]))
+    return out
 
 
 # ------------------------------------------------------------------ forward vs transformers

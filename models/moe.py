@@ -1,0 +1,139 @@
+"""The mixture-of-experts MLP of Qwen3-MoE and Mixtral, in XLA ops with static shapes.
+
+Routing, as the HF reference computes it: router logits in the model's dtype, a float32
+softmax over all experts, the top k experts of each token, their probabilities renormalized
+to sum to 1 where the config says so (`norm_topk_prob`; always for Mixtral), cast back to the
+model's dtype. A token's MLP output is the sum of its k experts' SwiGLU outputs, each times
+its weight.
+
+How the experts are computed depends on the static shape of the program (`plan`), since XLA
+needs static shapes and the cheapest way differs between a decode step and a prefill chunk:
+
+- "dense": every expert on every token, weighted by a [T, E] matrix that is zero outside
+  each token's top k. Reads each expert's weights once and spends E/k times the needed
+  matmul work: right for decode batches, whose T*k assignments reach most experts anyway,
+  and for models with few experts per token chosen (Mixtral: E/k = 4).
+- "grouped" with block size b: the T*k (token, expert) assignments sorted by expert; each
+  expert's rows padded to a multiple of b and cut into blocks of b rows of one expert; each
+  block gathers its expert's weights and the blocks run as one batched matmul. The matmul
+  work is about the needed one; the weight traffic grows with the number of blocks (each
+  block reads a copy of its expert's weights). b = 1 (a block per assignment, no padding)
+  for a few tokens, where it reads only the chosen experts; b near T*k/E for long prefill
+  chunks, which gives at most about 2E blocks.
+
+jax.lax.ragged_dot would express the grouped matmul directly, but XLA:GPU lowers it to a
+dense matmul over every group (as of JAX 0.10/0.11 on NVIDIA GPUs), so it would be the
+"dense" plan at a higher cost.
+
+Under tensor parallelism the experts' MLP width F is split like a dense MLP's (parallel.py):
+`w_gate_up [E, D, 2F]` keeps per-shard [gate | up] blocks on its last axis.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# "dense" while T * E stays below this (e.g. decode batches up to 128 tokens with 128
+# experts): beyond it the E/k-fold matmul work of a big chunk outweighs reading every expert.
+DENSE_MAX_TOKEN_EXPERTS = 16384
+# A grouped block size is a power of two in this range.
+MIN_BLOCK, MAX_BLOCK = 8, 512
+
+
+def plan(tokens: int, experts: int, top_k: int) -> tuple[str, int]:
+    """("dense", 0) or ("grouped", b) for a program of `tokens` tokens (module docstring)."""
+    assignments = tokens * top_k
+    if 3 * assignments < experts:
+        # Gathering a chosen expert's weights reads them, writes the copy, and the matmul
+        # reads it again: 3 passes over T*k experts, against one pass over all E.
+        return "grouped", 1
+    if tokens * experts <= DENSE_MAX_TOKEN_EXPERTS or experts <= 4 * top_k:
+        return "dense", 0
+    block = 2 ** math.ceil(math.log2(max(1, assignments // experts)))
+    return "grouped", min(MAX_BLOCK, max(MIN_BLOCK, block))
+
+
+def route(x: jax.Array, w_router: jax.Array, top_k: int, normalize: bool):
+    """x [T, D] -> (weights [T, k] in x's dtype, experts [T, k] int32), as the HF router."""
+    logits = jnp.dot(x, w_router)  # [T, E], in the model's dtype as the reference's Linear
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]; ties go to the lower expert id, as torch.topk
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def _swiglu(gate_up: jax.Array, shards: int) -> jax.Array:
+    """[..., 2F] in `shards` per-shard [gate | up] blocks -> silu(gate) * up [..., F]."""
+    lead, two_f = gate_up.shape[:-1], gate_up.shape[-1]
+    F = two_f // 2
+    blocks = gate_up.reshape(*lead, shards, two_f // shards)  # [..., 2F] -> [..., N, 2F/N]
+    gate = blocks[..., : F // shards].reshape(*lead, F)  # [..., N, F/N] -> [..., F], column s*F/N + j
+    up = blocks[..., F // shards :].reshape(*lead, F)
+    return jax.nn.silu(gate) * up
+
+
+def _dense(x, weights, experts, w_gate_up, w_down, shards):
+    T = x.shape[0]
+    E = w_gate_up.shape[0]
+    # [T, E]: each token's weight for each expert, zero outside its top k.
+    combine = jnp.zeros((T, E), x.dtype).at[jnp.arange(T)[:, None], experts].set(weights)
+    act = _swiglu(jnp.einsum("td,edf->tef", x, w_gate_up), shards)  # [T, E, F]
+    # The weight goes in before the down projection (it is linear), so one matmul sums the
+    # experts: contracting over (E, F).
+    act = act * combine[:, :, None]
+    return jnp.einsum("tef,efd->td", act, w_down, preferred_element_type=jnp.float32)  # [T, D]
+
+
+def _grouped(x, weights, experts, w_gate_up, w_down, shards, block: int):
+    T, D = x.shape
+    E = w_gate_up.shape[0]
+    k = experts.shape[1]
+    A = T * k  # assignments
+    # Static bound on the blocks: each used expert (at most min(E, A)) pads fewer than b rows.
+    n_blocks = A if block == 1 else -(-A // block) + min(E, A)
+    flat_expert = experts.reshape(A)  # [T, k] -> [A]
+    flat_token = jnp.arange(A, dtype=jnp.int32) // k
+    flat_weight = weights.reshape(A)  # [T, k] -> [A]
+    order = jnp.argsort(flat_expert, stable=True)
+    sorted_expert = flat_expert[order]
+    counts = jnp.zeros((E,), jnp.int32).at[flat_expert].add(1)  # rows per expert
+    padded = -(-counts // block) * block  # each expert's rows rounded up to whole blocks
+    start = jnp.cumsum(counts) - counts  # where each expert's rows start, sorted
+    padded_end = jnp.cumsum(padded)
+    padded_start = padded_end - padded
+    # Row of each sorted assignment in the padded layout: its expert's first padded row plus
+    # its rank among that expert's rows.
+    row = padded_start[sorted_expert] + (jnp.arange(A, dtype=jnp.int32) - start[sorted_expert])
+    rows = n_blocks * block
+    # Padding rows read token T (a zero row) with weight 0.
+    row_token = jnp.full((rows,), T, jnp.int32).at[row].set(flat_token[order])
+    row_weight = jnp.zeros((rows,), x.dtype).at[row].set(flat_weight[order])
+    # Each block's expert: the one whose padded rows hold the block's first row. Blocks past
+    # the last used row take the last expert id (their rows are all padding).
+    block_expert = jnp.searchsorted(padded_end, jnp.arange(n_blocks, dtype=jnp.int32) * block, side="right")
+    block_expert = jnp.minimum(block_expert, E - 1)
+    x_rows = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[row_token]  # [rows, D]
+    x_blocks = x_rows.reshape(n_blocks, block, D)  # [rows, D] -> [n_blocks, b, D]
+    act = _swiglu(jnp.einsum("nbd,ndf->nbf", x_blocks, w_gate_up[block_expert]), shards)  # [n_blocks, b, F]
+    act = act * row_weight.reshape(n_blocks, block)[:, :, None]  # [rows] -> [n_blocks, b]
+    y = jnp.einsum("nbf,nfd->nbd", act, w_down[block_expert], preferred_element_type=jnp.float32)
+    y = y.reshape(rows, D)  # [n_blocks, b, D] -> [rows, D]
+    # Padding rows land on the extra row T, dropped.
+    return jnp.zeros((T + 1, D), jnp.float32).at[row_token].add(y)[:T]
+
+
+def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, force_plan: tuple[str, int] | None = None) -> jax.Array:
+    """The MoE MLP over h [R, Q, D] with layer weights `lw` (w_router [D, E], w_gate_up
+    [E, D, 2F], w_down [E, F, D]); `force_plan` overrides `plan` (tests). Returns [R, Q, D]."""
+    R, Q, D = h.shape
+    x = h.reshape(R * Q, D)  # [R, Q, D] -> [T, D]
+    weights, experts = route(x, lw.w_router, top_k, normalize)
+    kind, block = force_plan or plan(R * Q, lw.w_gate_up.shape[0], top_k)
+    if kind == "dense":
+        out = _dense(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
+    else:
+        out = _grouped(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards, block)
+    return out.astype(h.dtype).reshape(R, Q, D)  # [T, D] -> [R, Q, D]

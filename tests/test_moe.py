@@ -1,0 +1,160 @@
+"""The mixture-of-experts MLP (models/moe.py): every plan against a token-by-token oracle,
+the plan chosen per shape, and MoE models through the engine (overlap, speculative
+decoding, tensor parallelism). Qwen3-MoE and Mixtral against transformers are in
+test_models_reference.py, their checkpoints' loading in test_loader.py."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_fixtures import assert_drained, make_engine, run_workload, tiny_config, tiny_params
+from jaxoverlap.models import moe
+from jaxoverlap.models.params import LayerParams, to_shard_blocks
+from jaxoverlap.models.transformer import dense_logits
+from jaxoverlap.sampling_params import SamplingParams
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def moe_config(**overrides):
+    base = dict(model_type="qwen3_moe", intermediate_size=32, num_experts=8, experts_per_token=2,
+                norm_topk_prob=True, qk_norm=True)
+    return tiny_config(**{**base, **overrides})
+
+
+def _oracle(x, w_router, w_gate, w_up, w_down, top_k, normalize):
+    """TEST ORACLE: float64, token by token. w_gate, w_up [E, D, F]; w_down [E, F, D]."""
+    logits = x @ w_router
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        top = np.argsort(-probs[t], kind="stable")[:top_k]
+        weights = probs[t, top] / (probs[t, top].sum() if normalize else 1.0)
+        for e, w in zip(top, weights):
+            gate, up = x[t] @ w_gate[e], x[t] @ w_up[e]
+            out[t] += w * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e])
+    return out
+
+
+def _random_layer(rng, D, F, E, shards, skew: float = 0.0):
+    """LayerParams of one random MoE layer (gate_up in `shards` per-shard blocks) and the
+    float64 matrices the oracle takes. `skew` > 0 makes expert 0 every token's favourite
+    (a few experts get all the rows, others none)."""
+    w_router = rng.normal(size=(D, E)) / np.sqrt(D)
+    w_router[:, 0] += skew
+    w_gate, w_up = rng.normal(size=(E, D, F)) / np.sqrt(D), rng.normal(size=(E, D, F)) / np.sqrt(D)
+    w_down = rng.normal(size=(E, F, D)) / np.sqrt(F)
+    gate_up = to_shard_blocks(jnp.asarray(np.concatenate([w_gate, w_up], axis=-1), jnp.float32), (F, F), shards)
+    lw = LayerParams(wqkv=None, wo=None, w_gate_up=gate_up, w_down=jnp.asarray(w_down, jnp.float32),
+                     w_router=jnp.asarray(w_router, jnp.float32), gate_up_shards=shards)
+    return lw, (w_router, w_gate, w_up, w_down)
+
+
+PLANS = [("dense", 0), ("grouped", 1), ("grouped", 4), ("grouped", 8)]
+
+
+@pytest.mark.parametrize("force_plan", PLANS, ids=lambda p: f"{p[0]}{p[1] or ''}")
+@pytest.mark.parametrize("shards,normalize,skew", [(1, True, 0.0), (2, False, 0.0), (1, True, 3.0)])
+def test_every_plan_matches_the_oracle(force_plan, shards, normalize, skew):
+    rng = np.random.default_rng(1)
+    D, F, E, k = 16, 12, 6, 2
+    lw, mats = _random_layer(rng, D, F, E, shards, skew)
+    x = rng.normal(size=(3, 5, D))  # R=3 rows of Q=5 tokens
+    fn = jax.jit(lambda h, lw: moe.moe_mlp(h, lw, top_k=k, normalize=normalize, force_plan=force_plan))
+    got = np.asarray(fn(jnp.asarray(x, jnp.float32), lw), np.float64)
+    want = _oracle(x.reshape(15, D), *mats, k, normalize).reshape(3, 5, D)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_plan_per_shape():
+    # Qwen3-30B-A3B: 128 experts, 8 per token.
+    assert moe.plan(1, 128, 8) == ("grouped", 1)  # batch-1 decode: only the 8 chosen experts
+    assert moe.plan(5, 128, 8) == ("grouped", 1)
+    assert moe.plan(6, 128, 8) == ("dense", 0)  # 48 assignments: cheaper to read every expert once
+    assert moe.plan(128, 128, 8) == ("dense", 0)
+    assert moe.plan(2048, 128, 8) == ("grouped", 128)  # a prefill chunk: about T*k/E rows per block
+    assert moe.plan(8192, 128, 8) == ("grouped", moe.MAX_BLOCK)
+    # Mixtral: 8 experts, 2 per token: dense past a single token.
+    assert moe.plan(1, 8, 2) == ("grouped", 1)
+    assert moe.plan(2, 8, 2) == ("dense", 0)
+    assert moe.plan(8192, 8, 2) == ("dense", 0)
+
+
+def test_engine_serves_a_moe_model_with_and_without_overlap_and_speculation():
+    """Greedy tokens of a MoE model equal the dense reference's argmax chain, with overlap
+    on and off and with on-device n-gram speculation (verify steps of 1 + k tokens per row)."""
+    cfg = moe_config()
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, size=n)] for n in (5, 17, 40)]
+    # Repeats, so the n-gram drafter proposes tokens and some get accepted.
+    prompts.append(prompts[0] * 6)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]}
+    runs = {}
+    for name, opts in {"overlap": {}, "normal": dict(disable_overlap=True),
+                       "ngram": dict(speculative_algorithm="ngram_device", speculative_num_steps=3)}.items():
+        eng = make_engine(cfg, **opts)
+        runs[name] = {k: list(v.token_ids) for k, v in run_workload(eng, arrivals).items()}
+        assert_drained(eng)
+    assert runs["overlap"] == runs["normal"] == runs["ngram"]
+    model = tiny_params(cfg)
+    for i, prompt in enumerate(prompts):  # the reference: full-sequence logits, one token at a time
+        ids = list(prompt)
+        for _ in range(3):
+            ids.append(int(np.argmax(np.asarray(dense_logits(model, cfg, jnp.asarray(ids, jnp.int32)))[-1])))
+        assert runs["overlap"][f"r{i}"][:3] == ids[len(prompt):]
+
+
+def test_stacked_layer_groups_give_the_same_tokens():
+    """Weights in groups of layers ([G, E, D, 2F] arrays) serve the same model."""
+    cfg = moe_config(num_layers=3)
+    arrivals = {0: [("a", [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))]}
+    outs = [list(run_workload(make_engine(cfg, layers_per_weight_stack=g), arrivals)["a"].token_ids) for g in (1, 2)]
+    assert outs[0] == outs[1]
+
+
+def test_moe_under_tensor_parallelism():
+    """On 4 fake CPU devices: TP=2 gives TP=1's greedy tokens and logits, each expert's MLP
+    width split over the devices, with no collective but all-reduces (tests/moe_tp_worker.py)."""
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "moe_tp_worker.py")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["w_gate_up_spec"] == [None, None, "tp"] and out["w_down_spec"] == [None, "tp", None]
+    assert out["w_router_spec"] == [] or all(s is None for s in out["w_router_spec"])
+    assert out["logits_err"] < 1e-4
+    assert out["tokens"]["2"] == out["tokens"]["1"]
+    plans = {k: out["collectives"].pop(k) for k in ("dense0", "grouped1", "grouped4")}
+    assert set(out["collectives"]) == {"all-reduce"}, out["collectives"]  # the engine's forward
+    for plan, found in plans.items():
+        assert found == ["all-reduce"], f"{plan}: {found}"
+
+
+def test_config_fields_from_hf():
+    from jaxoverlap.models.config import CheckpointError, ModelConfig
+
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    qwen = ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=16,
+                                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True))
+    assert (qwen.intermediate_size, qwen.num_experts, qwen.experts_per_token, qwen.norm_topk_prob) == (16, 4, 2, True)
+    assert qwen.qk_norm and qwen.is_moe
+    mixtral = ModelConfig.from_hf_dict(dict(base, model_type="mixtral", intermediate_size=24, num_local_experts=4,
+                                            num_experts_per_tok=2))
+    assert (mixtral.intermediate_size, mixtral.num_experts, mixtral.norm_topk_prob) == (24, 4, True)
+    assert not mixtral.qk_norm
+    with pytest.raises(CheckpointError, match="mlp_only_layers"):
+        ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=16,
+                                      num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0]))
+    with pytest.raises(CheckpointError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict(dict(base, model_type="mixtral", intermediate_size=24, num_local_experts=4,
+                                      num_experts_per_tok=6))
+    with pytest.raises(CheckpointError, match="num_experts"):
+        ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=16,
+                                      num_experts_per_tok=2))
