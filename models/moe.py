@@ -125,6 +125,25 @@ def _grouped(x, weights, experts, w_gate_up, w_down, shards, block: int):
     return jnp.zeros((T + 1, D), jnp.float32).at[row_token].add(y)[:T]
 
 
+def _sliced(x, weights, experts, w_gate_up, w_down, shards):
+    """One matmul pair per assignment on its expert's weights, read through dynamic slices
+    (which XLA:GPU can hand to the GEMM as an address, without a copy, where its
+    dynamic-slice fusion applies). Unrolled over the T*k assignments: for a few tokens only."""
+    T, D = x.shape
+    k = experts.shape[1]
+    out = []
+    for t in range(T):
+        y = jnp.zeros((D,), jnp.float32)
+        for j in range(k):
+            e = experts[t, j]
+            w1 = jax.lax.dynamic_index_in_dim(w_gate_up, e, axis=0, keepdims=False)  # [D, 2F]
+            w2 = jax.lax.dynamic_index_in_dim(w_down, e, axis=0, keepdims=False)  # [F, D]
+            act = _swiglu(jnp.dot(x[t], w1), shards) * weights[t, j]  # [F]
+            y = y + jnp.dot(act, w2, preferred_element_type=jnp.float32)
+        out.append(y)
+    return jnp.stack(out)  # T x [D] -> [T, D]
+
+
 def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, force_plan: tuple[str, int] | None = None) -> jax.Array:
     """The MoE MLP over h [R, Q, D] with layer weights `lw` (w_router [D, E], w_gate_up
     [E, D, 2F], w_down [E, F, D]); `force_plan` overrides `plan` (tests). Returns [R, Q, D]."""
@@ -134,6 +153,8 @@ def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, force_plan: tuple[
     kind, block = force_plan or plan(R * Q, lw.w_gate_up.shape[0], top_k)
     if kind == "dense":
         out = _dense(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
+    elif kind == "sliced":
+        out = _sliced(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
     else:
         out = _grouped(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards, block)
     return out.astype(h.dtype).reshape(R, Q, D)  # [T, D] -> [R, Q, D]

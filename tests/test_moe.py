@@ -56,7 +56,7 @@ def _random_layer(rng, D, F, E, shards, skew: float = 0.0):
     return lw, (w_router, w_gate, w_up, w_down)
 
 
-PLANS = [("dense", 0), ("grouped", 1), ("grouped", 4), ("grouped", 8)]
+PLANS = [("dense", 0), ("grouped", 1), ("grouped", 4), ("grouped", 8), ("sliced", 0)]
 
 
 @pytest.mark.parametrize("force_plan", PLANS, ids=lambda p: f"{p[0]}{p[1] or ''}")
