@@ -77,6 +77,8 @@ def main():
                 continue
             if plan and plan[0] == "grouped" and plan[1] > 1 and plan[1] > T * k:
                 continue  # a block larger than all the rows
+            if plan and plan[0] == "grouped" and (T * k) // plan[1] + min(E, T * k) > 2 * E:
+                continue  # more than 2E blocks: copies of the experts' weights beyond any use
 
             def chain(h, layers, plan=plan):
                 outs = []
