@@ -6,7 +6,8 @@ Semantics as in vLLM and SGLang (and OpenAI's API for the two penalties), per re
       far has its logit divided by r where positive, multiplied by r where negative;
   frequency_penalty f (-2..2, 0 = off): f x (times the token was generated) is subtracted;
   presence_penalty p (-2..2, 0 = off): p is subtracted from every token generated before;
-  logit_bias {token: b} (OpenAI's): b (-100..100) is added to the token's logit;
+  logit_bias {token: b} (OpenAI's): b (-100..100) is added to the token's logit, before
+      the penalties apply (vLLM's order);
   min_new_tokens m (0 = off): the request's stop tokens (EOS unless ignore_eos, and its
       stop_token_ids) cannot be chosen for its first m output tokens.
 They shape which token is chosen (greedy or sampled); reported logprobs stay those of the
@@ -91,14 +92,17 @@ def apply(logits: jax.Array, positions: jax.Array, history: jax.Array, params: j
     """logits [B, V] float32 of the tokens to be placed at positions [B]; history [B, V],
     params [B, 3], min_end [B], bias_ids and bias_values [B, K] of the rows' entries."""
     rep, freq, pres = params[:, 0:1], params[:, 1:2], params[:, 2:3]  # [B, 1] each
+    # logit_bias first, then the penalties on the biased logits, as vLLM's sampler does
+    # (so a seen token with a bias has (logit + bias) divided by the repetition penalty);
+    # the min_new_tokens ban last. A row's bias ids are distinct; its unused slots (-1) are
+    # dropped (scatter.py).
+    rows = jnp.arange(logits.shape[0])[:, None]  # [B, 1]
+    ids = dropped_where_invalid(bias_ids, bias_ids >= 0, logits.shape[1])
+    logits = logits.at[rows, ids].add(bias_values.astype(logits.dtype), mode="drop")
     seen = (history & SEEN) != 0
     counts = history & COUNT
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - freq * counts.astype(logits.dtype) - pres * (counts > 0).astype(logits.dtype)
-    # A row's bias ids are distinct; its unused slots (-1) are dropped (scatter.py).
-    rows = jnp.arange(logits.shape[0])[:, None]  # [B, 1]
-    ids = dropped_where_invalid(bias_ids, bias_ids >= 0, logits.shape[1])
-    logits = logits.at[rows, ids].add(bias_values.astype(logits.dtype), mode="drop")
     banned = ((history & STOP) != 0) & (positions < min_end)[:, None]
     return jnp.where(banned, -jnp.inf, logits)
 

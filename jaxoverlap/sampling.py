@@ -12,19 +12,38 @@ import jax.numpy as jnp
 from jaxoverlap.penalties import apply as apply_penalties
 
 
-def _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions):
-    B, V = logits.shape
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)  # [B, V] token ids, most likely first
+def sorted_filter(scaled, top_k, top_p, min_p):
+    """The top-k / top-p / min-p filters of temperature-scaled logits [N, V], with per-row
+    params [N]. Returns (order [N, V]: token ids, most likely first; sorted_logits [N, V]:
+    `scaled` in that order; keep [N, V] bool: the sorted tokens the filters keep).
+
+    The rules apply in vLLM's order (as HF's warpers do, each on what the one before left):
+    min-p drops tokens less likely than min_p times the most likely token of the full
+    distribution; top-k keeps the k most likely of the rest; top-p keeps the smallest prefix
+    of what is left whose mass, renormalized over it, reaches top_p (1 = off). The first
+    token is always kept. One sort serves all three: min-p and top-k each keep a prefix of
+    the sorted order. Shared by the sampler and the speculative verifier
+    (speculative/verify.filtered_probs), so both draw from the same distribution."""
+    V = scaled.shape[-1]
+    order = jnp.argsort(-scaled, axis=-1)  # [N, V] token ids, most likely first
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     rank = jnp.arange(V)[None, :]
-    keep = rank < jnp.where(top_k > 0, top_k, V)[:, None]
-    # top-p keeps the smallest prefix whose mass reaches top_p (the first token always).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < top_p[:, None]
-    keep &= probs >= (min_p[:, None] * probs[:, :1])
+    keep = probs >= min_p[:, None] * probs[:, :1]
+    keep &= rank < jnp.where(top_k > 0, top_k, V)[:, None]  # both keep the first token (min_p <= 1)
+    kept = jnp.where(keep, probs, 0.0)
+    kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    # top-p on the mass min-p and top-k left. top_p = 1 keeps all of it: in float32 the
+    # cumulative mass before a tail token can round up to 1.
+    mass_before = jnp.cumsum(kept, axis=-1) - kept
+    keep &= (mass_before < top_p[:, None]) | (top_p >= 1.0)[:, None]
     keep = keep.at[:, 0].set(True)
+    return order, sorted_logits, keep
+
+
+def _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    order, sorted_logits, keep = sorted_filter(scaled, top_k, top_p, min_p)
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
 
     def draw(seed, pos, row):

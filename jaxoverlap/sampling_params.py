@@ -4,6 +4,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
+
+import numpy as np
 
 from jaxoverlap.errors import InvalidRequestError
 from jaxoverlap.structured import StructuredOutput
@@ -87,6 +90,8 @@ class SamplingParams:
                                       f"got {stop_ids!r}")
         stop_ids = tuple(_token_id(t, "stop_token_ids") for t in stop_ids)
         object.__setattr__(self, "stop_token_ids", stop_ids)
+        for name in _NUMBERS:
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -174,6 +179,24 @@ class SamplingParams:
             bad("stop strings need the engine's text: detokenize must be True")
 
 
+# The numeric fields: numpy scalars given for them (np.float32(0.7), np.int64(16)) are
+# stored as Python's int / float (`_plain`), so that the frozen object holds plain values
+# and validate() judges them as it does Python numbers.
+_NUMBERS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n", "top_logprobs",
+            "repetition_penalty", "frequency_penalty", "presence_penalty", "min_new_tokens", "prompt_logprobs_start")
+_DIGITS = re.compile(r"-?[0-9]+")  # a token id as a string (JSON object keys)
+
+
+def _plain(x):
+    """A numpy integer or floating scalar as Python's int or float; anything else as it is
+    (np.bool_ is neither, so it stays refused as bool is)."""
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.floating):
+        return float(x)
+    return x
+
+
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -184,7 +207,7 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
         return ()
     items = value.items() if isinstance(value, dict) else value
     try:
-        pairs = {_token_id(tok, "logit_bias"): bias for tok, bias in items}
+        pairs = {_token_id(tok, "logit_bias"): _plain(bias) for tok, bias in items}
     except InvalidRequestError:
         raise
     except (TypeError, ValueError) as e:
@@ -194,8 +217,9 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
 
 def _token_id(value, what: str) -> int:
     """A token id given as an integer (numpy's too) or, as JSON object keys are, a string of
-    digits. Never a float or a bool: int() would quietly turn 2.7 into token 2."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    digits (ASCII ones, an optional minus: "--5" or "²" pass str.isdigit() but not int()).
+    Never a float or a bool: int() would quietly turn 2.7 into token 2."""
+    if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
         return int(value)
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise InvalidRequestError(f"invalid sampling params: {what} must hold integer token ids, got {value!r}")

@@ -20,7 +20,8 @@ from jaxoverlap.sampling_params import SamplingParams
 
 
 def penalized(logits: np.ndarray, prompt, output, rep: float, freq: float, pres: float) -> np.ndarray:
-    """The rule as vLLM states it, one token at a time."""
+    """The rule as vLLM states it, one token at a time (on logits that logit_bias has
+    already moved: vLLM adds the bias first)."""
     out = np.array(logits, np.float32)
     for t in set(prompt) | set(output):
         out[t] = out[t] / np.float32(rep) if out[t] > 0 else out[t] * np.float32(rep)
@@ -42,11 +43,11 @@ def reference(prompt, params: SamplingParams, seed: int = 0) -> list[int]:
     tiny model has no EOS: stop_token_ids are the stop tokens)."""
     seq, out = list(prompt), []
     while len(out) < params.max_new_tokens and not (out and out[-1] in params.stop_token_ids):
-        logits = next_logits(seq)
-        logits = penalized(logits, prompt, out, params.repetition_penalty, params.frequency_penalty,
-                           params.presence_penalty)
+        logits = np.array(next_logits(seq), np.float32)  # a writable copy
         for tok, bias in params.logit_bias:
             logits[tok] += np.float32(bias)
+        logits = penalized(logits, prompt, out, params.repetition_penalty, params.frequency_penalty,
+                           params.presence_penalty)
         if len(out) < params.min_new_tokens:
             logits[list(params.stop_token_ids)] = -np.inf
         if params.temperature == 0:
@@ -233,6 +234,73 @@ def test_boolean_params_take_only_bools():
                 SamplingParams(**{name: value})
         assert getattr(SamplingParams(**{name: True}), name) is True
         assert getattr(SamplingParams(**{name: False}), name) is False
+
+
+def _apply(logits, history, params, min_end=0, position=10, bias=None):
+    """penalties.apply on one row."""
+    K = penalties.MAX_LOGIT_BIAS
+    ids, values = np.full((1, K), -1, np.int32), np.zeros((1, K), np.float32)
+    for i, (tok, b) in enumerate((bias or {}).items()):
+        ids[0, i], values[0, i] = tok, b
+    return np.asarray(penalties.apply(jnp.asarray([logits], jnp.float32), jnp.asarray([position]),
+                                      jnp.asarray([history], jnp.int32), jnp.asarray([params], jnp.float32),
+                                      jnp.asarray([min_end], jnp.int32), jnp.asarray(ids), jnp.asarray(values)))[0]
+
+
+def test_logit_bias_applies_before_the_penalties():
+    """vLLM's order: logit_bias, then the penalties on the biased logits, then the
+    min_new_tokens ban. Token 0 (seen) with bias +4 and repetition_penalty 2: (4 + 4) / 2 = 4,
+    so token 1 (5) wins; bias after the penalty would give 4 / 2 + 4 = 6 and token 0."""
+    seen = penalties.SEEN
+    out = _apply([4.0, 5.0], [seen, 0], [2.0, 0.0, 0.0], bias={0: 4.0})
+    np.testing.assert_array_equal(out, [4.0, 5.0])
+    # A bias that turns a negative logit positive: divided, not multiplied, by the penalty;
+    # then the frequency (2 generated) and presence penalties subtracted.
+    out = _apply([-1.0, 0.0, 0.5], [seen | 2, 0, seen], [2.0, 0.25, 0.5], bias={0: 3.0, 2: -1.5})
+    np.testing.assert_allclose(out, [(-1.0 + 3.0) / 2.0 - 0.25 * 2 - 0.5, 0.0, (0.5 - 1.5) * 2.0], rtol=1e-6)
+    # The min_new_tokens ban comes last: +100 does not lift a banned stop token.
+    out = _apply([1.0, 2.0], [penalties.STOP | seen, 0], [0.5, 0.0, 0.0], min_end=11, bias={0: 100.0})
+    assert np.isneginf(out[0]) and out[1] == 2.0
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    """numpy scalars (np.float32 from a model's config, np.int64 from an array) pass for the
+    numeric fields and are stored as Python's int / float; bools and non-numbers stay refused."""
+    sp = SamplingParams(max_new_tokens=np.int64(16), temperature=np.float32(0.5), top_k=np.int32(5),
+                        top_p=np.float32(0.875), min_p=np.float64(0.25), seed=np.uint32(2**32 - 1), n=np.int8(2),
+                        top_logprobs=np.int16(3), repetition_penalty=np.float16(1.5),
+                        frequency_penalty=np.float32(-0.5), presence_penalty=np.int64(1),
+                        min_new_tokens=np.int64(2), prompt_logprobs_start=np.int32(2),
+                        logit_bias={np.int64(7): np.float32(2.5), 3: np.int32(-4)})
+    assert (sp.max_new_tokens, sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed, sp.n, sp.top_logprobs,
+            sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty, sp.min_new_tokens,
+            sp.prompt_logprobs_start) == (16, 0.5, 5, 0.875, 0.25, 2**32 - 1, 2, 3, 1.5, -0.5, 1, 2, 2)
+    for name in ("max_new_tokens", "top_k", "seed", "n", "top_logprobs", "min_new_tokens", "prompt_logprobs_start",
+                 "presence_penalty"):
+        assert type(getattr(sp, name)) is int, name
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty"):
+        assert type(getattr(sp, name)) is float, name
+    assert sp.logit_bias == ((3, -4), (7, 2.5)) and [type(b) for _, b in sp.logit_bias] == [int, float]
+    assert SamplingParams(top_k=np.int64(-1)).top_k == 0
+    assert [p.seed for p in sp.samples()] == [2**32 - 1, 0]
+    for bad in (dict(temperature=np.bool_(True)), dict(top_k=np.bool_(True)), dict(max_new_tokens=np.float32(4.0)),
+                dict(top_k=np.float64(2.0)), dict(top_p=np.float32("nan")), dict(seed=np.int64(-1)),
+                dict(temperature=np.str_("0.5")), dict(logit_bias={1: np.bool_(True)})):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)
+
+
+def test_malformed_digit_strings_are_invalid_requests():
+    """"--5" and "²" pass str.isdigit() (after the minus is stripped) but not int(): a token id
+    string is an optional minus and ASCII digits, anything else an InvalidRequestError."""
+    for bad in ("--5", "\u00b2", "-", "", "1_0", "5.0", "0x5", "\u0665"):
+        for kw in (dict(stop_token_ids=[bad]), dict(logit_bias={bad: 1.0})):
+            with pytest.raises(InvalidRequestError, match="must hold integer token ids"):
+                SamplingParams(**kw)
+    assert SamplingParams(stop_token_ids=[" 12 "], logit_bias={"007": 1.0}).stop_token_ids == (12,)
+    assert SamplingParams(logit_bias={"007": 1.0}).logit_bias == ((7, 1.0),)
+    with pytest.raises(InvalidRequestError, match="must be >= 0"):
+        SamplingParams(stop_token_ids=["-5"])
 
 
 @pytest.mark.parametrize("overlap", [True, False])

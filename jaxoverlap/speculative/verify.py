@@ -5,9 +5,9 @@ token at the first mismatch (or after the last draft) as the bonus. Rows with te
 > 0 use rejection sampling (pallas_kernels.acceptance): draft x drawn from q is accepted
 with probability min(1, p(x)/q(x)); at the first rejection the token is drawn from
 normalize(max(0, p - q)); after the last accepted draft the bonus is drawn from p. p and q
-are the temperature / top-k / top-p / min-p filtered distributions, with the same rules as
-sampling.py, so the output is distributed as plain sampling's. Deterministic drafts (the
-n-gram drafters) have a one-hot q.
+are the temperature / min-p / top-k / top-p filtered distributions, with sampling.py's
+rules (sampling.sorted_filter), so the output is distributed as plain sampling's.
+Deterministic drafts (the n-gram drafters) have a one-hot q.
 
 Keys are fold_in(fold_in(key(seed), position), tag) with the position of the token the
 draw is about, as in sampling.py, so a request's draws depend on neither its batch nor on
@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxoverlap.pallas_kernels import acceptance
+from jaxoverlap.sampling import sorted_filter
 
 TAG_DRAFT, TAG_ACCEPT, TAG_FINAL = 1, 2, 3
 
@@ -65,17 +66,11 @@ def row_keys(seeds: jax.Array, positions: jax.Array, tag: int) -> jax.Array:
 
 def filtered_probs(logits: jax.Array, sp: SamplingRows) -> jax.Array:
     """logits [N, V] -> probabilities [N, V] of sampling.py's filtered distribution
-    (temperature, then top-k, top-p, min-p on the sorted probabilities), zero elsewhere."""
-    N, V = logits.shape
+    (temperature, then min-p, top-k and top-p: sampling.sorted_filter), zero elsewhere."""
+    N = logits.shape[0]
     scaled = logits.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-6)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)  # [N, V] token ids, most likely first
-    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)  # [N, V] sorted
-    rank = jnp.arange(V)[None, :]
-    keep = rank < jnp.where(sp.top_k > 0, sp.top_k, V)[:, None]
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p[:, None]
-    keep &= probs >= sp.min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)
-    kept = jnp.where(keep, probs, 0.0)
+    order, sorted_logits, keep = sorted_filter(scaled, sp.top_k, sp.top_p, sp.min_p)  # [N, V] each
+    kept = jnp.where(keep, jax.nn.softmax(sorted_logits, axis=-1), 0.0)
     kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
     # Back from sorted order to vocabulary order.
     return jnp.zeros_like(kept).at[jnp.arange(N)[:, None], order].set(kept)
