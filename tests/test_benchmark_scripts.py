@@ -52,6 +52,17 @@ def test_decode_bench_moe(tmp_path):
     assert rows[0]["floor_ms"] < rows[1]["floor_ms"] < rows[1]["floor_all_ms"]
 
 
+@pytest.mark.timeout(300)
+def test_moe_plan_bench(tmp_path):
+    res = run_script(tmp_path, "moe_plan_bench", "--tiny", "--tokens", "1", "16", "--layers", "2", "--iters", "1",
+                     "--plans", "auto", "dense", "grouped1", "grouped8", "sliced")
+    rows = {(r["tokens"], r["plan"]): r for r in res["rows"]}
+    # Every plan computes the same MLP as the first one timed at that token count.
+    assert all(r["rel_err_vs_first"] < 1e-5 for r in rows.values()), rows
+    assert rows[(1, "auto")]["resolved"] == "grouped1" and rows[(16, "auto")]["resolved"] == "dense"
+    assert {(1, "sliced"), (16, "sliced"), (16, "grouped8")} <= set(rows)
+
+
 @pytest.mark.timeout(400)
 def test_spec_bench(tmp_path):
     res = run_script(tmp_path, "spec_bench", "--tiny", "--batches", "1", "--algos", "plain", "ngram_device",
