@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,10 @@ GPU_LAYERS_PER_WEIGHT_STACK = 4
 # How long an engine with nothing to run but requests whose grammar compiles waits for one
 # compile at a time, instead of spinning through empty steps; its loop takes commands between.
 HELD_POLL_S = 0.005
+# The live engines that froze the collector (freeze_gc) and are not closed. gc.freeze() is
+# process-wide: an engine's close() unfreezes to give its objects back, then freezes again
+# while any of these is left, so that closing one LLM does not unfreeze the others'.
+_FROZEN_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclasses.dataclass
@@ -251,8 +256,9 @@ class Engine:
         self.config = config
         self.closed = False
         if config.freeze_gc:
-            # Engines dropped since the last freeze are frozen garbage (their reference
-            # cycles are never collected): freed here, before this engine takes memory.
+            # Garbage frozen since the last freeze (an engine is freed by refcounting when
+            # dropped, but one caught in a reference cycle, a traceback's or the caller's, is
+            # not): collected here, before this engine takes memory.
             gc.unfreeze()
             gc.collect()
         cache_dir = compilation_cache_dir(config.compilation_cache_dir)
@@ -498,14 +504,17 @@ class Engine:
         if self.tokenizer is not None and params.detokenize:
             req.detok = self.tokenizer.incremental_decoder(prompt_ids,
                                                            skip_special_tokens=params.skip_special_tokens)
-        self.requests[request_id] = req
-        if compiled is not None and not compiled.done():
-            req.grammar_future = compiled
-            self.scheduler.add(req, held=True)
-            return
-        if compiled is not None:
-            self._constrain(req, compiled.result())
-        self.scheduler.add(req)
+        # Ctrl-C waits until the request is in both the engine's table and the scheduler's
+        # queue: in one only, no abort could end it (the scheduler's raises, not finding it).
+        with interrupts.deferred():
+            self.requests[request_id] = req
+            if compiled is not None and not compiled.done():
+                req.grammar_future = compiled
+                self.scheduler.add(req, held=True)
+                return
+            if compiled is not None:
+                self._constrain(req, compiled.result())
+            self.scheduler.add(req)
 
     def _constrain(self, req: Request, compiled) -> None:
         """Give the request its matcher: a copy of its grammar's compiled start."""
@@ -613,6 +622,9 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.finished or req.abort_requested:
             return False
+        # Marked even where it ends at once (waiting): LLM._settle tells a request given up
+        # from one whose final output its owner still waits for by this.
+        req.abort_requested = True
         self.scheduler.abort(req)
         return True
 
@@ -765,17 +777,23 @@ class Engine:
 
         return Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
 
-    def _check_token(self, req: Request) -> str | None:
+    @staticmethod
+    def _check_token(req: Request) -> str | None:
         """Called for every new token that is no stop token: stop strings, then the request's
-        grammar. A grammar that this token completed ends the request with its text whole."""
-        reason = self._check_stop_strings(req)
+        grammar. A grammar that this token completed ends the request with its text whole.
+
+        Static, as is what it calls: the scheduler keeps it (stop_checker), and a bound
+        method there would tie the engine into a reference cycle, which refcounting never
+        frees and a frozen collector (freeze_gc) never sees: `del llm` would free nothing."""
+        reason = Engine._check_stop_strings(req)
         if reason is None and req.matcher is not None:
             reason = advance_grammar(req)
             if reason is not None and req.detok is not None:
                 req.pending_text += req.detok.flush()  # "stop" outputs are not flushed later
         return reason
 
-    def _check_stop_strings(self, req: Request) -> str | None:
+    @staticmethod
+    def _check_stop_strings(req: Request) -> str | None:
         """Called for every new token: decode it and look for stop strings.
 
         The request keeps only the text not handed out yet (`_make_outputs` holds back the
@@ -906,9 +924,9 @@ class Engine:
     def close(self) -> None:
         """Free the engine's device memory now: aborts every request, waits for the step in
         flight, deletes the KV cache and relay, drops the engine's references to the weights
-        and gives the objects frozen at build time back to the collector (with freeze_gc,
-        `del engine` alone frees nothing until another engine is built). The engine cannot
-        run afterwards; closing twice does nothing."""
+        and collects; with freeze_gc it first unfreezes, so that what a reference cycle
+        holds of the engine is collected too, and freezes again if other live engines froze
+        the collector. The engine cannot run afterwards; closing twice does nothing."""
         if self.closed:
             return
         for rid in list(self.requests):
@@ -919,8 +937,11 @@ class Engine:
         if "grammars" in self.__dict__:  # built (a cached_property): its compile threads
             self.grammars.close()
         if self.config.freeze_gc:
+            _FROZEN_ENGINES.discard(self)
             gc.unfreeze()
         gc.collect()
+        if self.config.freeze_gc and _FROZEN_ENGINES:  # (checked after the collection: dropped ones are gone)
+            gc.freeze()
 
     def _freeze_gc(self) -> None:
         """EngineConfig.freeze_gc: collect once, then move every object alive now (JAX's,
@@ -929,6 +950,7 @@ class Engine:
         if self.config.freeze_gc:
             gc.collect()
             gc.freeze()
+            _FROZEN_ENGINES.add(self)
 
     def check_integrity(self) -> None:
         """Every page is free, cached or held by an admitted request; every entry is accounted for."""

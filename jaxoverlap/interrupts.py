@@ -12,9 +12,11 @@ The handler is installed once, in the main thread, at the first `deferred()` blo
 stays: outside a block it hands the signal straight to the handler it replaced, so the
 process behaves as before (KeyboardInterrupt by default; nothing where SIGINT is ignored,
 as in the server's engine process). A handler installed later by the program is kept, and
-ours is put in front of it at the next block. Off the main thread a block does nothing:
-signals reach only the main thread, and a KeyboardInterrupt there does not cut a step that
-another thread runs.
+ours is put in front of it at the next block. Each of ours keeps the handler it replaced:
+a program that ignores SIGINT for a while, then puts back the handler it found (ours),
+gets Ctrl-C back (with one shared "replaced handler", it stayed ignored for good). Off the
+main thread a block does nothing: signals reach only the main thread, and a
+KeyboardInterrupt there does not cut a step that another thread runs.
 """
 from __future__ import annotations
 
@@ -22,12 +24,11 @@ import signal
 import threading
 
 _main = threading.main_thread()
-_state = {"depth": 0, "pending": None, "previous": signal.default_int_handler}
+_state = {"depth": 0, "pending": None}
 
 
-def _deliver(frame) -> None:
+def _deliver(previous, frame) -> None:
     """What the replaced handler would have done with the signal."""
-    previous = _state["previous"]
     if previous == signal.SIG_IGN:
         return
     if callable(previous):
@@ -36,11 +37,19 @@ def _deliver(frame) -> None:
         raise KeyboardInterrupt
 
 
-def _handler(signum, frame) -> None:
-    if _state["depth"]:
-        _state["pending"] = frame
-    else:
-        _deliver(frame)
+class _Handler:
+    """Our SIGINT handler, in front of the one it replaced."""
+
+    __slots__ = ("previous",)
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, signum, frame) -> None:
+        if _state["depth"]:
+            _state["pending"] = (self.previous, frame)
+        else:
+            _deliver(self.previous, frame)
 
 
 class _Deferred:
@@ -53,19 +62,18 @@ class _Deferred:
         self.active = threading.current_thread() is _main
         if self.active:
             current = signal.getsignal(signal.SIGINT)
-            if current is not _handler:
-                _state["previous"] = current
-                signal.signal(signal.SIGINT, _handler)
+            if not isinstance(current, _Handler):
+                signal.signal(signal.SIGINT, _Handler(current))
             _state["depth"] += 1
         return self
 
     def __exit__(self, *exc):
         if self.active:
             _state["depth"] -= 1
-            frame = _state["pending"]
-            if frame is not None and not _state["depth"]:
+            pending = _state["pending"]
+            if pending is not None and not _state["depth"]:
                 _state["pending"] = None
-                _deliver(frame)
+                _deliver(*pending)
         return False
 
 

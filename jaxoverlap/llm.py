@@ -112,7 +112,12 @@ class LLM:
         pending = collections.deque()
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             params = params or SamplingParams()
-            prompt_ids = self.engine.check_request(prompt, params)
+            try:
+                prompt_ids = self.engine.check_request(prompt, params)
+            except ValueError as e:  # the same error, saying which prompt of the batch it is
+                if len(prompts) > 1:
+                    e.args = (f"prompt {index}: {e}",)
+                raise
             rid = f"llm-{next(self._ids)}"
             samples = params.samples()
             for k, sample in enumerate(samples):
@@ -186,14 +191,17 @@ class LLM:
     def _abandon(self, ids) -> None:
         """Abort the call's requests that have not finished, so that a call given up (a loop
         left early, Ctrl-C in a notebook) leaves no work behind in the engine."""
-        with self._lock:
+        # A second Ctrl-C waits until every request is aborted and the engine settled: cut
+        # short, the rest would run on and hold their batch slots until the next call.
+        with interrupts.deferred(), self._lock:
             for rid in ids:
                 self._routes.pop(rid, None)
                 self.engine.abort(rid)  # False for those never queued or already done
-            # Not while an error or Ctrl-C ends the call: the next call's steps finish this
-            # (a broken engine would raise again here, over the first error).
+            # Not while an error ends the call: the next call's steps finish this (a broken
+            # engine would raise again here, over the first error). Ctrl-C breaks nothing
+            # (the steps defer it), and it ends the call as the user's "stop" does.
             failing = sys.exc_info()[1]
-            if failing is None or isinstance(failing, GeneratorExit):
+            if failing is None or isinstance(failing, (GeneratorExit, KeyboardInterrupt)):
                 self._settle()
 
     def _settle(self) -> None:
@@ -318,8 +326,12 @@ class LLM:
         SamplingParams.n > 1 a prompt has n results in a row (sample_index 0 .. n-1): with n
         samples of every prompt, results[n * i + k] is sample k of prompt i."""
         results = {}
-        for index, result in self.generate_unordered(prompts, sampling_params, use_tqdm=use_tqdm):
-            results[index, result.sample_index] = result
+        unordered = self.generate_unordered(prompts, sampling_params, use_tqdm=use_tqdm)
+        try:
+            for index, result in unordered:
+                results[index, result.sample_index] = result
+        finally:  # Ctrl-C here: the call is given up now, not once a kept traceback lets it go
+            unordered.close()
         return [results[key] for key in sorted(results)]
 
     def generate_unordered(

@@ -164,12 +164,14 @@ def test_streamed_stop_strings_hold_back_only_a_possible_stop(llm):
 def test_bad_prompt_in_a_batch_rejects_the_call_and_leaves_nothing(llm):
     assert not llm.engine.has_work()  # calls end with the engine idle (LLM._settle)
     generated = llm.engine.tokens_generated
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="^prompt 1: empty prompt$"):  # which prompt of the batch
         llm.generate(["fine", ""], SamplingParams(max_new_tokens=4))
     # The bad prompt comes last, after more prompts than the engine's queue is kept at: all
     # are checked before any is queued, so nothing ran.
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="^prompt 200: token ids outside the vocabulary"):
         llm.generate([[5, 6, 7]] * 200 + [[10**9]], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="^empty prompt$"):  # one prompt: nothing to tell apart
+        llm.generate("", SamplingParams(max_new_tokens=4))
     assert not llm.engine.has_work() and llm.engine.tokens_generated == generated
     llm.engine.check_integrity()
 
@@ -343,8 +345,9 @@ def test_random_text_workloads_identical_with_and_without_overlap(llm, seed):
 
 
 def test_a_call_given_up_leaves_no_work_behind(llm):
-    """Leaving generate_stream early, or an exception (Ctrl-C in a notebook) inside generate,
-    aborts the call's unfinished requests: the engine drains to nothing of them."""
+    """Leaving generate_stream early, or Ctrl-C in a notebook inside generate, aborts the
+    call's unfinished requests (more than the engine runs at once: some still wait), and
+    the engine is idle once the call has ended."""
     engine = llm.engine
     engine.drain()
     params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
@@ -352,8 +355,6 @@ def test_a_call_given_up_leaves_no_work_behind(llm):
     for _, _ in zip(range(3), stream):
         pass
     stream.close()
-    finals = {o.request_id: o.finish_reason for o in engine.drain() if o.finished}
-    assert finals and set(finals.values()) == {"abort"}
     assert not engine.requests and not engine.has_work()
 
     step, calls = engine.step, []
@@ -370,8 +371,7 @@ def test_a_call_given_up_leaves_no_work_behind(llm):
             llm.generate([f"Fable {i}" for i in range(6)], params)
     finally:
         del engine.step
-    finals = {o.request_id: o.finish_reason for o in engine.drain() if o.finished}
-    assert finals and set(finals.values()) == {"abort"} and not engine.requests
+    assert len(calls) >= 4 and not engine.requests and not engine.has_work() and not llm._routes
     engine.check_integrity()
     [res] = llm.generate(["Hello"], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(res.token_ids) == 3  # and the LLM goes on serving
