@@ -8,7 +8,8 @@ Each timed call chains the MLP over `--layers` layers of distinct weights (more 
 cache holds), so every call reads its weights from memory. `floor_ms` is the bytes of the
 experts the tokens reach in each layer (counted from the router's choice), the router and
 nothing else, over the copy bandwidth. `--xla-flags` passes XLA flags (e.g. XLA:GPU's
-dynamic-slice fusion for the "sliced" plan). Prints a table and writes JSON; `--tiny` runs
+dynamic-slice fusion for the "sliced" plan). "pallas" is the expert-matmul kernel
+(pallas_kernels/expert_matmul.py). Prints a table and writes JSON; `--tiny` runs
 small shapes on CPU.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 2048])
     ap.add_argument("--plans", nargs="+", default=["auto", "dense", "grouped1", "grouped8", "grouped64",
-                                                   "grouped128", "sliced"])
+                                                   "grouped128", "sliced", "pallas"])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--max-sliced-assignments", type=int, default=64, help="skip 'sliced' above this T*k")
@@ -58,7 +59,7 @@ def main():
     def parse(name: str):
         if name == "auto":
             return None
-        if name in ("dense", "sliced"):
+        if name in ("dense", "sliced", "pallas"):
             return (name, 0)
         return ("grouped", int(name[len("grouped"):]))
 
@@ -73,8 +74,8 @@ def main():
         reference = None
         for name in args.plans:
             plan = parse(name)
-            if plan and plan[0] == "sliced" and T * k > args.max_sliced_assignments:
-                continue
+            if plan and plan[0] in ("sliced", "pallas") and T * k > args.max_sliced_assignments:
+                continue  # one matrix-vector product per assignment: for a few tokens
             if plan and plan[0] == "grouped" and plan[1] > 1 and plan[1] > T * k:
                 continue  # a block larger than all the rows
             if plan and plan[0] == "grouped" and (T * k) // plan[1] + min(E, T * k) > 2 * E:

@@ -144,6 +144,24 @@ def _sliced(x, weights, experts, w_gate_up, w_down, shards):
     return jnp.stack(out)  # T x [D] -> [T, D]
 
 
+def _pallas(x, weights, experts, w_gate_up, w_down, shards):
+    """A row per assignment through the expert-matmul kernel
+    (pallas_kernels/expert_matmul.py), which reads each chosen expert's weights in place.
+    One device only (a Pallas call is not partitioned by XLA); shapes `supported` there."""
+    from jaxoverlap.pallas_kernels.expert_matmul import expert_matmul
+
+    T, D = x.shape
+    k = experts.shape[1]
+    A = T * k
+    interpret = jax.default_backend() != "gpu"
+    flat = experts.reshape(A)  # [T, k] -> [A]
+    rows = jnp.repeat(x, k, axis=0)  # [A, D]: row a is token a // k
+    act = _swiglu(expert_matmul(rows, w_gate_up, flat, interpret=interpret), shards)  # [A, F]
+    act = act * weights.reshape(A)[:, None]  # [T, k] -> [A]
+    y = expert_matmul(act, w_down, flat, interpret=interpret)  # [A, D]
+    return y.astype(jnp.float32).reshape(T, k, D).sum(axis=1)  # [A, D] -> [T, k, D] -> [T, D]
+
+
 def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, force_plan: tuple[str, int] | None = None) -> jax.Array:
     """The MoE MLP over h [R, Q, D] with layer weights `lw` (w_router [D, E], w_gate_up
     [E, D, 2F], w_down [E, F, D]); `force_plan` overrides `plan` (tests). Returns [R, Q, D]."""
@@ -153,6 +171,8 @@ def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, force_plan: tuple[
     kind, block = force_plan or plan(R * Q, lw.w_gate_up.shape[0], top_k)
     if kind == "dense":
         out = _dense(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
+    elif kind == "pallas":
+        out = _pallas(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
     elif kind == "sliced":
         out = _sliced(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
     else:

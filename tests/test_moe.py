@@ -72,6 +72,37 @@ def test_every_plan_matches_the_oracle(force_plan, shards, normalize, skew):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_pallas_expert_matmul_plan_matches_the_oracle(shards):
+    """The Pallas expert-matmul kernel (interpret mode here) in the MLP: shapes it takes
+    (contraction a multiple of 64, columns of 64)."""
+    from jaxoverlap.pallas_kernels.expert_matmul import supported
+
+    rng = np.random.default_rng(2)
+    D, F, E, k = 64, 64, 4, 2
+    assert supported(6, D, 2 * F) and supported(6, F, D)
+    lw, mats = _random_layer(rng, D, F, E, shards, skew=0.5)
+    x = rng.normal(size=(3, 1, D))
+    fn = jax.jit(lambda h, lw: moe.moe_mlp(h, lw, top_k=k, normalize=False, force_plan=("pallas", 0)))
+    got = np.asarray(fn(jnp.asarray(x, jnp.float32), lw), np.float64)
+    want = _oracle(x.reshape(3, D), *mats, k, False).reshape(3, 1, D)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_expert_matmul_reads_each_rows_own_expert():
+    from jaxoverlap.pallas_kernels.expert_matmul import block_n, expert_matmul
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(5, 128)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 128, 192)), jnp.float32)
+    experts = jnp.asarray([2, 0, 2, 1, 0], jnp.int32)
+    got = expert_matmul(x, w, experts, interpret=True)
+    want = np.einsum("ak,akn->an", np.asarray(x), np.asarray(w)[np.asarray(experts)])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    assert block_n(5, 192) == 64 and block_n(1, 2048) == 64 and block_n(64, 2048) == 256
+    assert block_n(8, 96) is None
+
+
 def test_plan_per_shape():
     # Qwen3-30B-A3B: 128 experts, 8 per token.
     assert moe.plan(1, 128, 8) == ("grouped", 1)  # batch-1 decode: only the 8 chosen experts
