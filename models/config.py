@@ -149,7 +149,10 @@ class ModelConfig:
     def _from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+            hint = ""
+            if model_type in ("qwen2_moe", "deepseek_v2", "deepseek_v3"):
+                hint = " (mixture of experts with shared experts is not implemented)"
+            raise ValueError(f"unsupported model_type {model_type!r}{hint}; supported: {SUPPORTED_MODEL_TYPES}")
         _refuse_unsupported(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
@@ -228,13 +231,20 @@ def _moe_fields(cfg: dict, model_type: str) -> dict:
     if model_type not in MOE_MODEL_TYPES:
         return {}
     # Qwen3-MoE writes `num_experts` (transformers 5 saves it as `num_local_experts`, Mixtral's name).
-    experts = cfg.get("num_experts", cfg.get("num_local_experts")) if model_type == "qwen3_moe" else cfg["num_local_experts"]
+    experts = cfg.get("num_experts") if model_type == "qwen3_moe" else None
+    experts = cfg.get("num_local_experts") if experts is None else experts
     if experts is None:
-        raise KeyError("num_experts")
+        raise KeyError("num_experts" if model_type == "qwen3_moe" else "num_local_experts")
     top_k = cfg["num_experts_per_tok"]
-    for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
+    values = (("num_experts", experts), ("num_experts_per_tok", top_k))
+    if model_type == "qwen3_moe":
+        values += (("moe_intermediate_size", cfg["moe_intermediate_size"]),)
+    for name, value in values:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{name} must be a positive integer, got {value!r}")
+    normalize = cfg.get("norm_topk_prob", False)
+    if not isinstance(normalize, bool):
+        raise CheckpointError(f"norm_topk_prob must be true or false, got {normalize!r}")
     if model_type == "qwen3_moe":
         # Dense MLP layers between the MoE ones (Qwen3-MoE's `mlp_only_layers`, a
         # `decoder_sparse_step` above 1): every layer here has the one MLP form.
@@ -242,7 +252,7 @@ def _moe_fields(cfg: dict, model_type: str) -> dict:
             raise CheckpointError("Qwen3-MoE with dense MLP layers (mlp_only_layers, decoder_sparse_step > 1) "
                                   "is not supported; every layer must be a MoE layer")
     return dict(num_experts=experts, experts_per_token=top_k,
-                norm_topk_prob=True if model_type == "mixtral" else bool(cfg.get("norm_topk_prob", False)))
+                norm_topk_prob=True if model_type == "mixtral" else normalize)
 
 
 def _refuse_unsupported(cfg: dict) -> None:

@@ -21,6 +21,10 @@ needs static shapes and the cheapest way differs between a decode step and a pre
   for a few tokens, where it reads only the chosen experts; b near T*k/E for long prefill
   chunks, which gives at most about 2E blocks.
 
+`plan` picks by a cost model (bytes moved and matmul work); "sliced" and "pallas" (the
+expert-matmul kernel) are alternatives for a few tokens that benchmarks/moe_plan_bench.py
+times, not chosen by `plan`.
+
 jax.lax.ragged_dot would express the grouped matmul directly, but XLA:GPU lowers it to a
 dense matmul over every group (as of JAX 0.10/0.11 on NVIDIA GPUs), so it would be the
 "dense" plan at a higher cost.
@@ -30,36 +34,55 @@ Under tensor parallelism the experts' MLP width F is split like a dense MLP's (p
 """
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
 
-# "dense" while T * E stays below this (e.g. decode batches up to 128 tokens with 128
-# experts): beyond it the E/k-fold matmul work of a big chunk outweighs reading every expert.
-DENSE_MAX_TOKEN_EXPERTS = 16384
-# A grouped block size is a power of two in this range.
-MIN_BLOCK, MAX_BLOCK = 8, 512
+# The plan is the cheapest by a cost model of a layer: bytes moved over the bandwidth plus
+# matmul work over the matmul rate, in units where only their ratio matters. An H200 does
+# about 600 TFLOP/s of bf16 matmul against 4.2 TB/s of memory bandwidth: 150 FLOP per byte.
+# (Both plans' bytes and FLOPs scale with an expert's D x F, so the choice depends only on
+# T, E, k and this ratio.) A model until measured per shape: benchmarks/moe_plan_bench.py.
+MATMUL_FLOPS_PER_BYTE = 150.0
+BYTES_PER_WEIGHT = 2  # bf16
+MAX_BLOCK = 4096
+
+
+def _cost(tokens: int, experts: int, top_k: int, kind: str, block: int) -> float:
+    """A plan's time for one layer, in units of (one expert's D x 3F weights) x 1 byte / bandwidth."""
+    if kind == "dense":
+        moved, rows = experts, tokens * experts  # every expert read once; every token on every expert
+    else:
+        # Each block gathers a copy of its expert (read, written, read by the matmul).
+        n_blocks = _blocks(tokens * top_k, experts, block)
+        moved, rows = 3 * n_blocks, n_blocks * block
+    return BYTES_PER_WEIGHT * moved + 2 * rows / MATMUL_FLOPS_PER_BYTE
+
+
+def _blocks(assignments: int, experts: int, block: int) -> int:
+    """Static bound on the grouped plan's blocks: each used expert (at most min(E, T*k))
+    pads fewer than b rows; none with b = 1."""
+    return assignments if block == 1 else -(-assignments // block) + min(experts, assignments)
 
 
 def plan(tokens: int, experts: int, top_k: int) -> tuple[str, int]:
-    """("dense", 0) or ("grouped", b) for a program of `tokens` tokens (module docstring)."""
-    assignments = tokens * top_k
-    if 3 * assignments < experts:
-        # Gathering a chosen expert's weights reads them, writes the copy, and the matmul
-        # reads it again: 3 passes over T*k experts, against one pass over all E.
-        return "grouped", 1
-    if tokens * experts <= DENSE_MAX_TOKEN_EXPERTS or experts <= 4 * top_k:
-        return "dense", 0
-    block = 2 ** math.ceil(math.log2(max(1, assignments // experts)))
-    return "grouped", min(MAX_BLOCK, max(MIN_BLOCK, block))
+    """("dense", 0) or ("grouped", b) for a program of `tokens` tokens: the cheapest by
+    `_cost` (module docstring), over b in 1, 2, 4, .. MAX_BLOCK."""
+    options = [("dense", 0)]
+    block = 1
+    while block <= min(MAX_BLOCK, 2 * tokens * top_k):
+        options.append(("grouped", block))
+        block *= 2
+    return min(options, key=lambda o: _cost(tokens, experts, top_k, *o))
 
 
 def route(x: jax.Array, w_router: jax.Array, top_k: int, normalize: bool):
     """x [T, D] -> (weights [T, k] in x's dtype, experts [T, k] int32), as the HF router."""
     logits = jnp.dot(x, w_router)  # [T, E], in the model's dtype as the reference's Linear
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]; ties go to the lower expert id, as torch.topk
+    # [T, k]. Ties (equal probabilities, not rare in bf16) go to the lower expert id; torch's
+    # topk leaves their order unspecified, so a tied token may take another expert than HF does.
+    weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights.astype(x.dtype), experts.astype(jnp.int32)
@@ -76,15 +99,18 @@ def _swiglu(gate_up: jax.Array, shards: int) -> jax.Array:
 
 
 def _dense(x, weights, experts, w_gate_up, w_down, shards):
-    T = x.shape[0]
+    T, D = x.shape
     E = w_gate_up.shape[0]
     # [T, E]: each token's weight for each expert, zero outside its top k.
     combine = jnp.zeros((T, E), x.dtype).at[jnp.arange(T)[:, None], experts].set(weights)
-    act = _swiglu(jnp.einsum("td,edf->tef", x, w_gate_up), shards)  # [T, E, F]
-    # The weight goes in before the down projection (it is linear), so one matmul sums the
-    # experts: contracting over (E, F).
-    act = act * combine[:, :, None]
-    return jnp.einsum("tef,efd->td", act, w_down, preferred_element_type=jnp.float32)  # [T, D]
+    # Matmuls batched over the experts, so that each reads its weights in their stored
+    # layout: contracting x [T, D] with w [E, D, 2F] as one GEMM would first transpose every
+    # expert's weights to [D, E, 2F], a copy of all of them per step.
+    xe = jnp.broadcast_to(x, (E, T, D))  # [T, D] -> [E, T, D]
+    act = _swiglu(jnp.einsum("etd,edf->etf", xe, w_gate_up), shards)  # [E, T, F]
+    act = act * combine.T[:, :, None]  # the weight before the down projection (it is linear)
+    y = jnp.einsum("etf,efd->etd", act, w_down, preferred_element_type=jnp.float32)  # [E, T, D]
+    return jnp.sum(y, axis=0)  # [T, D]
 
 
 def _grouped(x, weights, experts, w_gate_up, w_down, shards, block: int):
@@ -92,8 +118,7 @@ def _grouped(x, weights, experts, w_gate_up, w_down, shards, block: int):
     E = w_gate_up.shape[0]
     k = experts.shape[1]
     A = T * k  # assignments
-    # Static bound on the blocks: each used expert (at most min(E, A)) pads fewer than b rows.
-    n_blocks = A if block == 1 else -(-A // block) + min(E, A)
+    n_blocks = _blocks(A, E, block)
     flat_expert = experts.reshape(A)  # [T, k] -> [A]
     flat_token = jnp.arange(A, dtype=jnp.int32) // k
     flat_weight = weights.reshape(A)  # [T, k] -> [A]

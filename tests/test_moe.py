@@ -108,13 +108,16 @@ def test_plan_per_shape():
     assert moe.plan(1, 128, 8) == ("grouped", 1)  # batch-1 decode: only the 8 chosen experts
     assert moe.plan(5, 128, 8) == ("grouped", 1)
     assert moe.plan(6, 128, 8) == ("dense", 0)  # 48 assignments: cheaper to read every expert once
-    assert moe.plan(128, 128, 8) == ("dense", 0)
-    assert moe.plan(2048, 128, 8) == ("grouped", 128)  # a prefill chunk: about T*k/E rows per block
-    assert moe.plan(8192, 128, 8) == ("grouped", moe.MAX_BLOCK)
-    # Mixtral: 8 experts, 2 per token: dense past a single token.
+    assert moe.plan(256, 128, 8) == ("dense", 0)  # a big decode or verify batch still reads each expert once
+    assert moe.plan(2048, 128, 8) == ("grouped", 256)  # a prefill chunk: blocks of about 2 T*k/E rows
+    # Mixtral: 8 experts, 2 per token.
     assert moe.plan(1, 8, 2) == ("grouped", 1)
     assert moe.plan(2, 8, 2) == ("dense", 0)
-    assert moe.plan(8192, 8, 2) == ("dense", 0)
+    assert moe.plan(2048, 8, 2) == ("grouped", 512)  # 4x the needed matmul work costs more than copies
+    # A few copies of the experts at most, whatever the chunk.
+    for T in (1024, 2048, 8192, 32768):
+        kind, block = moe.plan(T, 128, 8)
+        assert kind == "grouped" and moe._blocks(T * 8, 128, block) <= 3 * 128
 
 
 def test_engine_serves_a_moe_model_with_and_without_overlap_and_speculation():
@@ -189,3 +192,15 @@ def test_config_fields_from_hf():
     with pytest.raises(CheckpointError, match="num_experts"):
         ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=16,
                                       num_experts_per_tok=2))
+    # transformers 5 saves Qwen3-MoE's count as num_local_experts (with num_experts null).
+    saved = ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=16,
+                                          num_experts=None, num_local_experts=4, num_experts_per_tok=2))
+    assert saved.num_experts == 4
+    with pytest.raises(CheckpointError, match="moe_intermediate_size"):
+        ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=None,
+                                      num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(CheckpointError, match="norm_topk_prob"):
+        ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=16,
+                                      num_experts=4, num_experts_per_tok=2, norm_topk_prob="false"))
+    with pytest.raises(ValueError, match="shared experts"):
+        ModelConfig.from_hf_dict(dict(base, model_type="qwen2_moe", intermediate_size=96))
