@@ -44,6 +44,7 @@ from jaxoverlap.compile_watch import CompileWatch
 from jaxoverlap.config import EngineConfig
 from jaxoverlap.device_state import init_device_state, kv_cache_bytes_per_token
 from jaxoverlap.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, QueueFullError
+from jaxoverlap.models import moe
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, stack_layers
 from jaxoverlap.outputs import RequestOutput
@@ -340,7 +341,10 @@ class Engine:
             # The layouts the steps' computations give these arrays (parallel.py's table).
             layout = dict(vocab_split=params.lm_head is not None and mc.vocab_size % self.mesh.size == 0,
                           draft_heads_split=attention is not None)
-        kv_tokens = config.kv_cache_tokens or self._kv_tokens_from_memory(table_width, layout)
+        # The most tokens one program takes: a prefill chunk (+1 under speculation), or every
+        # running request's verify window.
+        largest_step = max(config.chunked_prefill_size + 1, config.max_running_requests * (spec.window if spec else 1))
+        kv_tokens = config.kv_cache_tokens or self._kv_tokens_from_memory(table_width, layout, largest_step)
         num_pages = -(-kv_tokens // ps) + 1  # + the dummy page
         self.kv_cache_tokens = (num_pages - 1) * ps
 
@@ -452,12 +456,13 @@ class Engine:
         return _pallas_attention(interpret=jax.default_backend() != "gpu", mesh=self.mesh,
                                  fuse_decode=not self.config.disable_fused_decode and fits_fused)
 
-    def _kv_tokens_from_memory(self, table_width: int, layout: dict) -> int:
+    def _kv_tokens_from_memory(self, table_width: int, layout: dict, largest_step: int) -> int:
         """The KV-cache tokens that `kv_cache_memory_fraction` of the first device's free
         memory holds, the weights being in place. Under tensor parallelism (`layout`, as
         parallel.state_shardings takes it), of what each device holds: its share of the KV
         heads (all where the mesh does not divide them), of the drafter's (when split), and
-        of the penalty history (when its vocabulary is split)."""
+        of the penalty history (when its vocabulary is split). A mixture-of-experts model's
+        MLP temporaries for a program of `largest_step` tokens are kept free first."""
         mc, n = self.model_config, self.mesh.size if self.mesh is not None else 1
         from jaxoverlap.parallel import local_size
 
@@ -472,6 +477,9 @@ class Engine:
             if self.serves_penalties:
                 vocab = local_size(mc.vocab_size, n) if layout.get("vocab_split") else mc.vocab_size
                 free -= penalties.state_bytes(self.config.max_running_requests + 1, vocab)
+            if mc.is_moe:  # gathered expert weights: GBs that the fraction's headroom may not hold
+                free -= moe.activation_bytes(largest_step, mc.num_experts, mc.experts_per_token, mc.hidden_size,
+                                             mc.intermediate_size, jnp.dtype(self.dtype).itemsize)
             return max(table_width, int(free * self.config.kv_cache_memory_fraction) // per_token)
         # CPU: no memory statistics; enough for every running request at full context.
         return min(self.config.max_running_requests * table_width, 1 << 16)

@@ -76,6 +76,21 @@ def plan(tokens: int, experts: int, top_k: int) -> tuple[str, int]:
     return min(options, key=lambda o: _cost(tokens, experts, top_k, *o))
 
 
+def activation_bytes(tokens: int, experts: int, top_k: int, hidden: int, width: int, itemsize: int) -> int:
+    """About the bytes of the MoE MLP's temporaries in one layer of a `tokens`-token program
+    under its plan: the [E, T, ..] intermediates of "dense", the gathered expert weights and
+    rows of "grouped". For memory sizing (the engine keeps this free of the KV cache): for
+    prefill chunks it is several GB on Qwen3-30B-A3B, more than the dense models' headroom."""
+    kind, block = plan(tokens, experts, top_k)
+    if kind == "dense":
+        # gate_up [E, T, 2F] and act [E, T, F] in the model dtype; x broadcast [E, T, D]; out [E, T, D] f32.
+        return experts * tokens * (3 * width * itemsize + hidden * (itemsize + 4))
+    n_blocks = _blocks(tokens * top_k, experts, block)
+    rows = n_blocks * block
+    weights = n_blocks * 3 * hidden * width * itemsize  # the gathered [D, 2F] and [F, D] copies
+    return weights + rows * (hidden + 3 * width) * itemsize + rows * hidden * 4
+
+
 def route(x: jax.Array, w_router: jax.Array, top_k: int, normalize: bool):
     """x [T, D] -> (weights [T, k] in x's dtype, experts [T, k] int32), as the HF router."""
     logits = jnp.dot(x, w_router)  # [T, E], in the model's dtype as the reference's Linear

@@ -137,12 +137,15 @@ def test_engine_serves_a_moe_model_with_and_without_overlap_and_speculation():
         runs[name] = {k: list(v.token_ids) for k, v in run_workload(eng, arrivals).items()}
         assert_drained(eng)
     assert runs["overlap"] == runs["normal"] == runs["ngram"]
+    # The reference: each greedy token is the argmax of the full-sequence logits before it.
+    # Sequences padded to one length (the forward is causal): one compile for all.
     model = tiny_params(cfg)
-    for i, prompt in enumerate(prompts):  # the reference: full-sequence logits, one token at a time
-        ids = list(prompt)
-        for _ in range(3):
-            ids.append(int(np.argmax(np.asarray(dense_logits(model, cfg, jnp.asarray(ids, jnp.int32)))[-1])))
-        assert runs["overlap"][f"r{i}"][:3] == ids[len(prompt):]
+    longest = max(len(p) + 12 for p in prompts)
+    for i, prompt in enumerate(prompts):
+        out = runs["overlap"][f"r{i}"]
+        ids = jnp.asarray(prompt + out + [0] * (longest - len(prompt) - len(out)), jnp.int32)
+        argmax = np.argmax(np.asarray(dense_logits(model, cfg, ids)), axis=-1)
+        assert list(argmax[len(prompt) - 1:len(prompt) - 1 + len(out)]) == out
 
 
 def test_stacked_layer_groups_give_the_same_tokens():
@@ -204,3 +207,33 @@ def test_config_fields_from_hf():
                                       num_experts=4, num_experts_per_tok=2, norm_topk_prob="false"))
     with pytest.raises(ValueError, match="shared experts"):
         ModelConfig.from_hf_dict(dict(base, model_type="qwen2_moe", intermediate_size=96))
+
+
+def test_the_kv_cache_leaves_room_for_the_moe_temporaries(monkeypatch):
+    """Sized from device memory, the KV cache of a MoE model leaves out the MLP's temporaries
+    for the largest program (a prefill chunk here), which a dense model does not need."""
+    from jaxoverlap import engine as engine_module
+    from jaxoverlap.device_state import kv_cache_bytes_per_token
+
+    limit, in_use = 64 << 20, 4 << 20
+    monkeypatch.setattr(engine_module, "_memory_stats", lambda device: {"bytes_limit": limit, "bytes_in_use": in_use})
+    cfg = moe_config()
+    eng = make_engine(cfg, kv_cache_tokens=None, chunked_prefill_size=32, max_running_requests=8)
+    reserved = moe.activation_bytes(33, cfg.num_experts, cfg.experts_per_token, cfg.hidden_size,
+                                    cfg.intermediate_size, 4)  # float32 engine; 32 + 1 tokens
+    assert reserved > 0
+    per_token = kv_cache_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    fewer = eng._kv_tokens_from_memory(eng.max_context_len, {}, 33)
+    assert eng.kv_cache_tokens >= fewer  # what the engine was built with (rounded up to pages)
+    # Without the reservation the same memory holds more tokens, by the reserved bytes.
+    monkeypatch.setattr(moe, "activation_bytes", lambda *args: 0)
+    more = eng._kv_tokens_from_memory(eng.max_context_len, {}, 33)
+    assert more - fewer == pytest.approx(reserved * eng.config.kv_cache_memory_fraction / per_token, abs=1)
+
+
+def test_activation_bytes_follow_the_plan():
+    # Qwen3-30B-A3B in bf16: a batch-32 decode step (dense) against a 2048-token prefill
+    # chunk (grouped: copies of about twice the experts' 1.2 GB).
+    decode = moe.activation_bytes(32, 128, 8, 2048, 768, 2)
+    prefill = moe.activation_bytes(2048, 128, 8, 2048, 768, 2)
+    assert decode < 100e6 and 2.4e9 < prefill < 5e9
