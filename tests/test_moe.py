@@ -14,7 +14,7 @@ import pytest
 
 from engine_fixtures import assert_drained, make_engine, run_workload, tiny_config, tiny_params
 from jaxoverlap.models import moe
-from jaxoverlap.models.params import LayerParams, to_shard_blocks
+from jaxoverlap.models.params import LayerParams, layers_per_stack, to_shard_blocks
 from jaxoverlap.models.transformer import dense_logits
 from jaxoverlap.sampling_params import SamplingParams
 
@@ -122,7 +122,8 @@ def test_plan_per_shape():
 
 def test_engine_serves_a_moe_model_with_and_without_overlap_and_speculation():
     """Greedy tokens of a MoE model equal the dense reference's argmax chain, with overlap
-    on and off and with on-device n-gram speculation (verify steps of 1 + k tokens per row)."""
+    on and off (off: with both layers' weights in one [2, E, D, 2F] stack) and with
+    on-device n-gram speculation (verify steps of 1 + k tokens per row)."""
     cfg = moe_config()
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, size=n)] for n in (5, 17, 40)]
@@ -131,9 +132,10 @@ def test_engine_serves_a_moe_model_with_and_without_overlap_and_speculation():
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     arrivals = {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]}
     runs = {}
-    for name, opts in {"overlap": {}, "normal": dict(disable_overlap=True),
+    for name, opts in {"overlap": {}, "normal": dict(disable_overlap=True, layers_per_weight_stack=2),
                        "ngram": dict(speculative_algorithm="ngram_device", speculative_num_steps=3)}.items():
         eng = make_engine(cfg, **opts)
+        assert layers_per_stack(eng.runner.params) == (2 if name == "normal" else 1)
         runs[name] = {k: list(v.token_ids) for k, v in run_workload(eng, arrivals).items()}
         assert_drained(eng)
     assert runs["overlap"] == runs["normal"] == runs["ngram"]
@@ -146,14 +148,6 @@ def test_engine_serves_a_moe_model_with_and_without_overlap_and_speculation():
         ids = jnp.asarray(prompt + out + [0] * (longest - len(prompt) - len(out)), jnp.int32)
         argmax = np.argmax(np.asarray(dense_logits(model, cfg, ids)), axis=-1)
         assert list(argmax[len(prompt) - 1:len(prompt) - 1 + len(out)]) == out
-
-
-def test_stacked_layer_groups_give_the_same_tokens():
-    """Weights in groups of layers ([G, E, D, 2F] arrays) serve the same model."""
-    cfg = moe_config(num_layers=3)
-    arrivals = {0: [("a", [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))]}
-    outs = [list(run_workload(make_engine(cfg, layers_per_weight_stack=g), arrivals)["a"].token_ids) for g in (1, 2)]
-    assert outs[0] == outs[1]
 
 
 def test_moe_under_tensor_parallelism():
