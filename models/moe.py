@@ -18,8 +18,8 @@ needs static shapes and the cheapest way differs between a decode step and a pre
   block gathers its expert's weights and the blocks run as one batched matmul. The matmul
   work is about the needed one; the weight traffic grows with the number of blocks (each
   block reads a copy of its expert's weights). b = 1 (a block per assignment, no padding)
-  for a few tokens, where it reads only the chosen experts; b near T*k/E for long prefill
-  chunks, which gives at most about 2E blocks.
+  for a few tokens, where it reads only the chosen experts; b of one to two times T*k/E
+  for long prefill chunks, which copies the experts' weights two or three times at most.
 
 `plan` picks by a cost model (bytes moved and matmul work); "sliced" and "pallas" (the
 expert-matmul kernel) are alternatives for a few tokens that benchmarks/moe_plan_bench.py
@@ -33,7 +33,6 @@ Under tensor parallelism the experts' MLP width F is split like a dense MLP's (p
 `w_gate_up [E, D, 2F]` keeps per-shard [gate | up] blocks on its last axis.
 """
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
