@@ -76,8 +76,8 @@ def step_bytes(params, cfg, batch: int) -> int:
     from jaxoverlap.models.params import layer_at, num_layers
 
     E, k = cfg.num_experts, cfg.experts_per_token
-    experts = sum(x.size * x.dtype.itemsize for i in range(num_layers(params))
-                  for x in (layer_at(params, i).w_gate_up, layer_at(params, i).w_down))
+    layers = [layer_at(params, i) for i in range(num_layers(params))]
+    experts = sum(x.size * x.dtype.itemsize for lw in layers for x in (lw.w_gate_up, lw.w_down))
     reached = E * (1 - (1 - k / E) ** batch)
     return int(total - experts + experts * reached / E)
 

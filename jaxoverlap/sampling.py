@@ -15,7 +15,8 @@ from jaxoverlap.penalties import apply as apply_penalties
 def sorted_filter(scaled, top_k, top_p, min_p):
     """The top-k / top-p / min-p filters of temperature-scaled logits [N, V], with per-row
     params [N]. Returns (order [N, V]: token ids, most likely first; sorted_logits [N, V]:
-    `scaled` in that order; keep [N, V] bool: the sorted tokens the filters keep).
+    `scaled` in that order; probs [N, V]: their softmax; keep [N, V] bool: the sorted tokens
+    the filters keep).
 
     The rules apply in vLLM's order (as HF's warpers do, each on what the one before left):
     min-p drops tokens less likely than min_p times the most likely token of the full
@@ -38,12 +39,12 @@ def sorted_filter(scaled, top_k, top_p, min_p):
     mass_before = jnp.cumsum(kept, axis=-1) - kept
     keep &= (mass_before < top_p[:, None]) | (top_p >= 1.0)[:, None]
     keep = keep.at[:, 0].set(True)
-    return order, sorted_logits, keep
+    return order, sorted_logits, probs, keep
 
 
 def _sample_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions):
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    order, sorted_logits, keep = sorted_filter(scaled, top_k, top_p, min_p)
+    order, sorted_logits, _, keep = sorted_filter(scaled, top_k, top_p, min_p)
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
 
     def draw(seed, pos, row):

@@ -69,8 +69,8 @@ def filtered_probs(logits: jax.Array, sp: SamplingRows) -> jax.Array:
     (temperature, then min-p, top-k and top-p: sampling.sorted_filter), zero elsewhere."""
     N = logits.shape[0]
     scaled = logits.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-6)[:, None]
-    order, sorted_logits, keep = sorted_filter(scaled, sp.top_k, sp.top_p, sp.min_p)  # [N, V] each
-    kept = jnp.where(keep, jax.nn.softmax(sorted_logits, axis=-1), 0.0)
+    order, _, probs, keep = sorted_filter(scaled, sp.top_k, sp.top_p, sp.min_p)  # [N, V] each
+    kept = jnp.where(keep, probs, 0.0)
     kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
     # Back from sorted order to vocabulary order.
     return jnp.zeros_like(kept).at[jnp.arange(N)[:, None], order].set(kept)
