@@ -111,7 +111,7 @@ def main():
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--variants", nargs="+", default=["default"],
                     choices=["default", "fused", "unfused", "fused_attention", "single_exec", "stacked", "per_layer",
-                             "group4", "group12", "no_host_copy", "on_change", "jit_turns"],
+                             "group4", "group12", "no_host_copy", "on_change", "jit_turns", "no_expert_kernel"],
                     help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
                          "or off (unfused), only the attention one (fused_attention), the default kernels with "
                          "one executable per decode program instead of two in turn (single_exec), the weights in "
@@ -119,7 +119,8 @@ def main():
                          "starting each step's copy to the host at launch (no_host_copy: fetch copies once the step "
                          "is done), or with the step's input array sent only when it changed (on_change, "
                          "EngineConfig.decode_inputs), or with the first executable's turns launched through jit "
-                         "instead of as the compiled executable (jit_turns)")
+                         "instead of as the compiled executable (jit_turns), or (a MoE model) the experts of small "
+                         "steps in XLA ops instead of the Pallas expert-matmul kernel (no_expert_kernel)")
     ap.add_argument("--prompt-len-jitter", type=int, default=0,
                     help="prompts of prompt_len + [0, N) tokens: rows then cross page boundaries on different "
                          "steps, so most steps reserve pages (0: every row reserves on the same step)")
@@ -162,6 +163,7 @@ def main():
 
     rows = []
     alternate = engine.runner.alternate_executables  # the engine's choice (on for one GPU)
+    default_attention = engine.runner.attention
     for B in args.batches:
         first_outputs = None
         for variant in args.variants:
@@ -170,6 +172,7 @@ def main():
             engine.runner.start_host_copy = variant != "no_host_copy"
             engine.runner.decode_inputs = "on_change" if variant == "on_change" else "every_step"
             engine.runner.launch_compiled = variant != "jit_turns"
+            engine.runner.attention = default_attention
             if variant in ("fused", "unfused", "fused_attention"):
                 engine.set_fused_decode(variant != "unfused")
             if variant == "fused_attention":
@@ -179,6 +182,11 @@ def main():
 
                 engine.runner.attention = PallasAttention(interpret=jax.default_backend() != "gpu")
                 engine.runner.attention.add_rms_norm = None
+            if variant == "no_expert_kernel":  # the same kernels but the expert matmul (models/moe.py)
+                from jaxoverlap.pallas_kernels.attention import PallasAttention
+
+                engine.runner.attention = PallasAttention(interpret=jax.default_backend() != "gpu")
+                engine.runner.attention.expert_matmul = None
             tc = time.perf_counter()
             run_workload(engine, B, args.prompt_len, 4, seed=99)  # compile this batch's (and variant's) programs
             compile_s = time.perf_counter() - tc

@@ -7,7 +7,9 @@ which T, and how close each gets to the bytes of the experts the tokens reach.
 Each timed call chains the MLP over `--layers` layers of distinct weights (more than the GPU's
 cache holds), so every call reads its weights from memory. `floor_ms` is the bytes of the
 experts the tokens reach in each layer (counted from the router's choice), the router and
-nothing else, over the copy bandwidth. `--xla-flags` passes XLA flags (e.g. XLA:GPU's
+nothing else, over the copy bandwidth. "auto" is the engine's choice with the Pallas attention
+backend on one device (the expert-matmul kernel where it fits), "auto-xla" with the XLA
+backend (no kernel). `--xla-flags` passes XLA flags (e.g. XLA:GPU's
 dynamic-slice fusion for the "sliced" plan). "pallas" is the expert-matmul kernel
 (pallas_kernels/expert_matmul.py). Prints a table and writes JSON; `--tiny` runs
 small shapes on CPU.
@@ -25,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 2048])
-    ap.add_argument("--plans", nargs="+", default=["auto", "dense", "grouped1", "grouped8", "grouped64",
+    ap.add_argument("--plans", nargs="+", default=["auto", "auto-xla", "dense", "grouped1", "grouped8", "grouped64",
                                                    "grouped128", "sliced", "pallas"])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
@@ -56,8 +58,12 @@ def main():
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.0f} GB/s; {args.layers} layers of "
           f"{E} experts x {expert_bytes / 1e6:.2f} MB; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
 
+    from jaxoverlap.pallas_kernels.attention import PallasAttention
+
+    kernel_fn = PallasAttention(interpret=jax.default_backend() != "gpu").expert_matmul
+
     def parse(name: str):
-        if name == "auto":
+        if name in ("auto", "auto-xla"):
             return None
         if name in ("dense", "sliced", "pallas"):
             return (name, 0)
@@ -74,17 +80,21 @@ def main():
         reference = None
         for name in args.plans:
             plan = parse(name)
-            if plan and plan[0] in ("sliced", "pallas") and T * k > args.max_sliced_assignments:
-                continue  # one matrix-vector product per assignment: for a few tokens
+            if plan and plan[0] == "sliced" and T * k > args.max_sliced_assignments:
+                continue  # one matrix-vector product per assignment, unrolled: for a few tokens
+            if plan and plan[0] == "pallas" and T * k > 2 * E:
+                continue  # one expert matrix read per assignment: past 2E, twice "dense"'s bytes
             if plan and plan[0] == "grouped" and plan[1] > 1 and plan[1] > T * k:
                 continue  # a block larger than all the rows
             if plan and plan[0] == "grouped" and (T * k) // plan[1] + min(E, T * k) > 2 * E:
                 continue  # more than 2E blocks: copies of the experts' weights beyond any use
 
-            def chain(h, layers, plan=plan):
+            kernel = None if name == "auto-xla" else kernel_fn
+
+            def chain(h, layers, plan=plan, kernel=kernel):
                 outs = []
                 for lw in layers:
-                    outs.append(moe.moe_mlp(h, lw, top_k=k, normalize=True, force_plan=plan))
+                    outs.append(moe.moe_mlp(h, lw, top_k=k, normalize=True, expert_matmul=kernel, force_plan=plan))
                 return sum(outs)  # every layer's MLP on the same input: independent reads
 
             fn = jax.jit(chain)
@@ -101,7 +111,8 @@ def main():
             if reference is None:
                 reference = out
             err = float(np.abs(out - reference).max() / (np.abs(reference).max() + 1e-9))
-            chosen = moe.plan(T, E, k) if plan is None else plan
+            fits = moe.kernel_fits(kernel, T, k, layers[0].w_gate_up, layers[0].w_down)
+            chosen = moe.plan(T, E, k, fits) if plan is None else plan
             rows.append({"tokens": T, "plan": name, "resolved": f"{chosen[0]}{chosen[1] or ''}",
                          "experts_reached": float(np.mean(reached)), "ms_per_layer": ms, "floor_ms": floor_ms,
                          "over_floor": ms / floor_ms, "compile_s": compile_s, "rel_err_vs_first": err})

@@ -21,9 +21,15 @@ needs static shapes and the cheapest way differs between a decode step and a pre
   for a few tokens, where it reads only the chosen experts; b of one to two times T*k/E
   for long prefill chunks, which copies the experts' weights two or three times at most.
 
-`plan` picks by a cost model (bytes moved and matmul work); "sliced" and "pallas" (the
-expert-matmul kernel) are alternatives for a few tokens that benchmarks/moe_plan_bench.py
-times, not chosen by `plan`.
+- "pallas": a row per assignment through the expert-matmul kernel
+  (pallas_kernels/expert_matmul.py), which reads each chosen expert's block of weights in
+  place instead of gathering a copy. Where the attention backend has the kernel (the Pallas
+  backend on one device) and the T*k assignments are at most E: it then reads at most as
+  many expert matrices as "dense" and no copies (measured 4.1x / 1.9x faster than the XLA
+  plans at 1 / 8 tokens of Qwen3-30B-A3B on an H100, benchmarks/RESULTS.md).
+
+`plan` picks by a cost model (bytes moved and matmul work); "sliced" is an alternative for a
+few tokens that benchmarks/moe_plan_bench.py times, not chosen by `plan`.
 
 jax.lax.ragged_dot would express the grouped matmul directly, but XLA:GPU lowers it to a
 dense matmul over every group (as of JAX 0.10/0.11 on NVIDIA GPUs), so it would be the
@@ -64,9 +70,13 @@ def _blocks(assignments: int, experts: int, block: int) -> int:
     return assignments if block == 1 else -(-assignments // block) + min(experts, assignments)
 
 
-def plan(tokens: int, experts: int, top_k: int) -> tuple[str, int]:
-    """("dense", 0) or ("grouped", b) for a program of `tokens` tokens: the cheapest by
+def plan(tokens: int, experts: int, top_k: int, kernel: bool = False) -> tuple[str, int]:
+    """("pallas", 0), ("dense", 0) or ("grouped", b) for a program of `tokens` tokens.
+    With the expert-matmul `kernel` at hand, "pallas" for at most `experts` assignments (it
+    reads one expert matrix per assignment, "dense" all E once). Otherwise the cheapest by
     `_cost` (module docstring), over b in 1, 2, 4, .. MAX_BLOCK."""
+    if kernel and tokens * top_k <= experts:
+        return ("pallas", 0)
     options = [("dense", 0)]
     block = 1
     while block <= min(MAX_BLOCK, 2 * tokens * top_k):
@@ -75,12 +85,15 @@ def plan(tokens: int, experts: int, top_k: int) -> tuple[str, int]:
     return min(options, key=lambda o: _cost(tokens, experts, top_k, *o))
 
 
-def activation_bytes(tokens: int, experts: int, top_k: int, hidden: int, width: int, itemsize: int) -> int:
+def activation_bytes(tokens: int, experts: int, top_k: int, hidden: int, width: int, itemsize: int,
+                     kernel: bool = False) -> int:
     """About the bytes of the MoE MLP's temporaries in one layer of a `tokens`-token program
     under its plan: the [E, T, ..] intermediates of "dense", the gathered expert weights and
     rows of "grouped". For memory sizing (the engine keeps this free of the KV cache): for
     prefill chunks it is several GB on Qwen3-30B-A3B, more than the dense models' headroom."""
-    kind, block = plan(tokens, experts, top_k)
+    kind, block = plan(tokens, experts, top_k, kernel)
+    if kind == "pallas":  # rows [A, D], gate_up [A, 2F], act [A, F], out [A, D]
+        return tokens * top_k * (2 * hidden + 3 * width) * itemsize
     if kind == "dense":
         # gate_up [E, T, 2F] and act [E, T, F] in the model dtype; x broadcast [E, T, D]; out [E, T, D] f32.
         return experts * tokens * (3 * width * itemsize + hidden * (itemsize + 4))
@@ -183,35 +196,55 @@ def _sliced(x, weights, experts, w_gate_up, w_down, shards):
     return jnp.stack(out)  # T x [D] -> [T, D]
 
 
-def _pallas(x, weights, experts, w_gate_up, w_down, shards):
-    """A row per assignment through the expert-matmul kernel
-    (pallas_kernels/expert_matmul.py), which reads each chosen expert's weights in place.
-    One device only (a Pallas call is not partitioned by XLA); shapes `supported` there."""
+def _default_expert_matmul(x, w, experts):
     from jaxoverlap.pallas_kernels.expert_matmul import expert_matmul
 
+    return expert_matmul(x, w, experts, interpret=jax.default_backend() != "gpu")
+
+
+def kernel_fits(expert_matmul, tokens: int, top_k: int, w_gate_up: jax.Array, w_down: jax.Array) -> bool:
+    """Whether the "pallas" plan can run: a kernel given (the Pallas attention backend on one
+    device has it; a Pallas call is not partitioned by XLA, so none under a mesh) and the
+    layer's shapes ones it takes."""
+    if expert_matmul is None:
+        return False
+    from jaxoverlap.pallas_kernels.expert_matmul import supported
+
+    A = tokens * top_k
+    F, D = w_down.shape[1:]  # [E, F, D]
+    return supported(A, D, w_gate_up.shape[-1]) and supported(A, F, D)
+
+
+def _pallas(x, weights, experts, w_gate_up, w_down, shards, expert_matmul):
+    """A row per assignment through `expert_matmul` (pallas_kernels/expert_matmul.py: row a
+    times expert experts[a]'s matrix, read in place)."""
     T, D = x.shape
     k = experts.shape[1]
     A = T * k
-    interpret = jax.default_backend() != "gpu"
     flat = experts.reshape(A)  # [T, k] -> [A]
     rows = jnp.repeat(x, k, axis=0)  # [A, D]: row a is token a // k
-    act = _swiglu(expert_matmul(rows, w_gate_up, flat, interpret=interpret), shards)  # [A, F]
+    act = _swiglu(expert_matmul(rows, w_gate_up, flat), shards)  # [A, F]
     act = act * weights.reshape(A)[:, None]  # [T, k] -> [A]
-    y = expert_matmul(act, w_down, flat, interpret=interpret)  # [A, D]
+    y = expert_matmul(act, w_down, flat)  # [A, D]
     return y.astype(jnp.float32).reshape(T, k, D).sum(axis=1)  # [A, D] -> [T, k, D] -> [T, D]
 
 
-def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, force_plan: tuple[str, int] | None = None) -> jax.Array:
+def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None,
+            force_plan: tuple[str, int] | None = None) -> jax.Array:
     """The MoE MLP over h [R, Q, D] with layer weights `lw` (w_router [D, E], w_gate_up
-    [E, D, 2F], w_down [E, F, D]); `force_plan` overrides `plan` (tests). Returns [R, Q, D]."""
+    [E, D, 2F], w_down [E, F, D]). `expert_matmul(x, w, experts)` is the attention backend's
+    expert-matmul kernel, or None; `force_plan` overrides `plan` (tests, benchmarks; a
+    forced "pallas" without a kernel runs pallas_kernels/expert_matmul.py). Returns [R, Q, D]."""
     R, Q, D = h.shape
     x = h.reshape(R * Q, D)  # [R, Q, D] -> [T, D]
     weights, experts = route(x, lw.w_router, top_k, normalize)
-    kind, block = force_plan or plan(R * Q, lw.w_gate_up.shape[0], top_k)
+    kernel = kernel_fits(expert_matmul, R * Q, top_k, lw.w_gate_up, lw.w_down)
+    kind, block = force_plan or plan(R * Q, lw.w_gate_up.shape[0], top_k, kernel)
     if kind == "dense":
         out = _dense(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
     elif kind == "pallas":
-        out = _pallas(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
+        out = _pallas(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards,
+                      expert_matmul or _default_expert_matmul)
     elif kind == "sliced":
         out = _sliced(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
     else:

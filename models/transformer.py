@@ -73,10 +73,11 @@ def gated_mlp(h: jax.Array, lw: LayerParams) -> jax.Array:
     return jnp.dot(jax.nn.silu(gate) * up, lw.w_down)  # [R, Q, D]
 
 
-def mlp(h: jax.Array, lw: LayerParams, cfg: ModelConfig) -> jax.Array:
-    """The layer's MLP over [R, Q, D]: routed experts in a MoE layer, else one SwiGLU."""
+def mlp(h: jax.Array, lw: LayerParams, cfg: ModelConfig, expert_matmul=None) -> jax.Array:
+    """The layer's MLP over [R, Q, D]: routed experts in a MoE layer (with the backend's
+    `expert_matmul` kernel where it has one), else one SwiGLU."""
     if lw.w_router is not None:
-        return moe_mlp(h, lw, top_k=cfg.experts_per_token, normalize=cfg.norm_topk_prob)
+        return moe_mlp(h, lw, top_k=cfg.experts_per_token, normalize=cfg.norm_topk_prob, expert_matmul=expert_matmul)
     return gated_mlp(h, lw)
 
 
@@ -127,6 +128,7 @@ def forward(
     fused = getattr(attention, "fused_decode", None) if Q == 1 else None
     fused_shards = getattr(attention, "fused_qkv_shards", 1)
     fused_add_norm = getattr(attention, "add_rms_norm", None) if Q == 1 else None
+    expert_matmul = getattr(attention, "expert_matmul", None)  # models/moe.py: the "pallas" plan
     D = params.embed.shape[1]
     if fused is not None or fused_add_norm is not None:
         from jaxoverlap.pallas_kernels import add_norm as add_norm_kernel
@@ -174,7 +176,7 @@ def forward(
         x, h = add_norm(x, jnp.dot(o.reshape(R, Q, H * HD), lw.wo), params.mlp_norm, i)  # [R, Q, D]
         # The residual add of the MLP comes with the next layer's input norm (the final norm last).
         last = i == L - 1
-        x, h = add_norm(x, mlp(h, lw, cfg), params.final_norm[None] if last else params.attn_norm,
+        x, h = add_norm(x, mlp(h, lw, cfg, expert_matmul), params.final_norm[None] if last else params.attn_norm,
                         0 if last else i + 1)
     return h, k_cache, v_cache
 

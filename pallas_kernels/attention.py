@@ -6,7 +6,7 @@ plus keyword-only options, so the engine can pick the backend by a flag.
 
 from __future__ import annotations
 
-from . import add_norm
+from . import add_norm, expert_matmul
 from .decode import MAX_ROWS, paged_decode_attention
 from .fused_decode import fused_decode_attention
 from .prefill import paged_prefill_attention
@@ -55,7 +55,9 @@ class PallasAttention:
     called, plus two kernels that forward uses for one-token rows (decode) where the
     attributes exist (fuse_decode=True):
     - `fused_decode`: q/k norm, RoPE, cache write and attention of a layer (fused_decode.py);
-    - `add_rms_norm`: each residual add with the RMS norm after it (add_norm.py).
+    - `add_rms_norm`: each residual add with the RMS norm after it (add_norm.py);
+    and, for mixture-of-experts layers of a few tokens (models/moe.py, the "pallas" plan):
+    - `expert_matmul`: rows times their own expert's matrix, read in place (expert_matmul.py).
 
     Steps take the backend as a static argument, so create one object per configuration
     and reuse it (the engine caches them); equal objects would not share compilations."""
@@ -79,6 +81,10 @@ class PallasAttention:
         """(x + delta, rms_norm(x + delta) * weights[row]) for x, delta [N, D]; callers check
         `add_norm.supported(D)` first."""
         return add_norm.add_rms_norm(x, delta, weights, row=row, eps=eps, interpret=self.interpret)
+
+    def expert_matmul(self, x, w, experts):
+        """x [A, K], w [E, K, N], experts [A] -> [A, N]; models/moe.py checks `supported` first."""
+        return expert_matmul.expert_matmul(x, w, experts, interpret=self.interpret)
 
     def __repr__(self):
         return f"PallasAttention(interpret={self.interpret}, fuse_decode={self.fused_decode is not None})"

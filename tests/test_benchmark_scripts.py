@@ -55,12 +55,15 @@ def test_decode_bench_moe(tmp_path):
 @pytest.mark.timeout(300)
 def test_moe_plan_bench(tmp_path):
     res = run_script(tmp_path, "moe_plan_bench", "--tiny", "--tokens", "1", "16", "--layers", "2", "--iters", "1",
-                     "--plans", "auto", "dense", "grouped1", "grouped8", "sliced", "pallas")
+                     "--plans", "auto", "auto-xla", "dense", "grouped1", "grouped8", "sliced", "pallas")
     rows = {(r["tokens"], r["plan"]): r for r in res["rows"]}
     # Every plan computes the same MLP as the first one timed at that token count.
     assert all(r["rel_err_vs_first"] < 1e-5 for r in rows.values()), rows
-    assert rows[(1, "auto")]["resolved"] == "grouped1" and rows[(16, "auto")]["resolved"] == "dense"
+    # 16 experts, 4 per token: the kernel for 1 token (4 assignments), not 16 (64 > E).
+    assert rows[(1, "auto")]["resolved"] == "pallas" and rows[(1, "auto-xla")]["resolved"] == "grouped1"
+    assert rows[(16, "auto")]["resolved"] == rows[(16, "auto-xla")]["resolved"] == "dense"
     assert {(1, "sliced"), (16, "sliced"), (16, "grouped8"), (1, "pallas")} <= set(rows)
+    assert (16, "pallas") not in rows  # 64 assignments > 2E: past where the kernel can win
 
 
 @pytest.mark.timeout(400)

@@ -114,6 +114,11 @@ def test_plan_per_shape():
     assert moe.plan(1, 8, 2) == ("grouped", 1)
     assert moe.plan(2, 8, 2) == ("dense", 0)
     assert moe.plan(2048, 8, 2) == ("grouped", 512)  # 4x the needed matmul work costs more than copies
+    # With the expert-matmul kernel: up to E assignments (no more expert matrices than "dense" reads).
+    assert moe.plan(1, 128, 8, kernel=True) == moe.plan(16, 128, 8, kernel=True) == ("pallas", 0)
+    assert moe.plan(17, 128, 8, kernel=True) == ("dense", 0)
+    assert moe.plan(2048, 128, 8, kernel=True) == ("grouped", 256)
+    assert moe.plan(4, 8, 2, kernel=True) == ("pallas", 0) and moe.plan(5, 8, 2, kernel=True) == ("dense", 0)
     # A few copies of the experts at most, whatever the chunk.
     for T in (1024, 2048, 8192, 32768):
         kind, block = moe.plan(T, 128, 8)
@@ -148,6 +153,34 @@ def test_engine_serves_a_moe_model_with_and_without_overlap_and_speculation():
         ids = jnp.asarray(prompt + out + [0] * (longest - len(prompt) - len(out)), jnp.int32)
         argmax = np.argmax(np.asarray(dense_logits(model, cfg, ids)), axis=-1)
         assert list(argmax[len(prompt) - 1:len(prompt) - 1 + len(out)]) == out
+
+
+def test_engine_uses_the_expert_matmul_kernel_for_small_steps(monkeypatch):
+    """With the Pallas backend (interpret mode here) the engine's decode steps of up to E/k
+    tokens run the experts through the expert-matmul kernel, and give the XLA backend's
+    greedy tokens; the prefill chunks (more assignments) do not use it."""
+    from jaxoverlap.pallas_kernels.attention import PallasAttention
+
+    cfg = moe_config(intermediate_size=64, num_experts=8, experts_per_token=2)  # kernel shapes: 64 | D, F
+    traced = []
+    kernel = PallasAttention.expert_matmul
+
+    def spy(self, x, w, experts):
+        traced.append(x.shape[0])  # assignments
+        return kernel(self, x, w, experts)
+
+    monkeypatch.setattr(PallasAttention, "expert_matmul", spy)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, size=n)] for n in (3, 9, 20)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]}
+    runs = {}
+    for backend in ("xla", "pallas"):
+        eng = make_engine(cfg, attention_backend=backend, batch_buckets=(1, 2, 4))
+        runs[backend] = {k: list(v.token_ids) for k, v in run_workload(eng, arrivals).items()}
+        assert_drained(eng)
+    assert runs["pallas"] == runs["xla"]
+    assert traced and max(traced) <= cfg.num_experts  # decode batches of 1-4 rows: 2-8 assignments
 
 
 def test_moe_under_tensor_parallelism():
