@@ -20,7 +20,8 @@ def sorted_filter(scaled, top_k, top_p, min_p):
 
     The rules apply in vLLM's order (as HF's warpers do, each on what the one before left):
     min-p drops tokens less likely than min_p times the most likely token of the full
-    distribution; top-k keeps the k most likely of the rest; top-p keeps the smallest prefix
+    distribution; top-k keeps the k most likely of the rest, and any tied with the k-th (as
+vLLM and HF compare against the k-th value); top-p keeps the smallest prefix
     of what is left whose mass, renormalized over it, reaches top_p (1 = off). The first
     token is always kept. One sort serves all three: min-p and top-k each keep a prefix of
     the sorted order. Shared by the sampler and the speculative verifier
@@ -31,7 +32,9 @@ def sorted_filter(scaled, top_k, top_p, min_p):
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     rank = jnp.arange(V)[None, :]
     keep = probs >= min_p[:, None] * probs[:, :1]
-    keep &= rank < jnp.where(top_k > 0, top_k, V)[:, None]  # both keep the first token (min_p <= 1)
+    k = jnp.clip(jnp.where(top_k > 0, top_k, V), 1, V)  # [N]
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [N, 1]
+    keep &= (rank < k[:, None]) | (sorted_logits >= kth)  # both keep the first token (min_p <= 1)
     kept = jnp.where(keep, probs, 0.0)
     kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
     # top-p on the mass min-p and top-k left. top_p = 1 keeps all of it: in float32 the

@@ -22,7 +22,7 @@ def vllm_filtered(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
     if min_p > 0:
         x = np.where(p < min_p * p.max(), -np.inf, x)
     if top_k > 0:
-        x = np.where(np.argsort(np.argsort(-x, kind="stable"), kind="stable") < top_k, x, -np.inf)
+        x = np.where(x < np.sort(x)[::-1][top_k - 1], -np.inf, x)  # vLLM's rule: below the k-th value
     p = np.exp(x - x.max())
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
@@ -42,6 +42,9 @@ CASES = {
     "top_k then top_p": (DECREASING, 1.0, 3, 0.6, 0.0, [E / (E + 1), 1 / (E + 1), 0, 0, 0, 0, 0, 0]),
     # top_k=2 leaves two tokens of about half the mass each: top_p=0.5 keeps the first.
     "top_k=2 top_p=0.5": ([2.0, 2.0, 1.9, 1.9, 1.9, 1.9, 1.9, 1.9], 1.0, 2, 0.5, 0.0, [1, 0, 0, 0, 0, 0, 0, 0]),
+    # top_k=2 keeps every token tied with the second (vLLM and HF compare against its value).
+    "top_k keeps ties": ([3.0, 2.0, 2.0, 2.0, 1.0, 0.0, 0.0, 0.0], 1.0, 2, 1.0, 0.0,
+                         [E ** 10 / (E ** 10 + 3), 1 / (E ** 10 + 3), 1 / (E ** 10 + 3), 1 / (E ** 10 + 3), 0, 0, 0, 0]),
     # min_p=0.8 keeps p >= 0.8 p_max (1.0, 0.9, 0.8: e^-0.2 = 0.82), as top_k=3 above: top_p=0.5 keeps two.
     "min_p then top_p": (DECREASING, 1.0, 0, 0.5, 0.8, [E / (E + 1), 1 / (E + 1), 0, 0, 0, 0, 0, 0]),
     "min_p then top_k then top_p": ([3.0, 2.8, 2.6, 2.0, 1.0, 0.5, -1.0, -2.0], 0.8, 3, 0.7, 0.2, None),
