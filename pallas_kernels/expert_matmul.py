@@ -7,8 +7,10 @@ and then multiplying (models/moe.py, "grouped" with blocks of one row): the chos
 are read, written and read again. Here each program reads its block of the expert's
 matrix straight from the weights, once.
 
-Grid (A, N / BN): program (a, n) computes columns n*BN .. (n+1)*BN - 1 of row a, over the
-contraction axis in blocks of BK rows, accumulating in float32. The weights are [E, K, N]
+Grid (A, N / BN, S): program (a, n, s) computes columns n*BN .. (n+1)*BN - 1 of row a over
+the s-th of S equal parts of the contraction axis (S = 1 unless split), in blocks of BK
+rows, accumulating in float32. BK, BN, S, warps and pipeline stages are arguments;
+benchmarks/expert_matmul_bench.py sweeps them on the GPU. The weights are [E, K, N]
 (`x @ W` layout), so a program reads BK segments of BN contiguous elements per block;
 BN >= 64 keeps each segment at least a 128-byte line in bf16. At decode sizes the work is
 a matrix-vector product per row, bound by the bytes of the experts, so the elementwise
@@ -29,6 +31,7 @@ from ._compat import triton_params
 TARGET_PROGRAMS = 264
 MIN_BLOCK_N, MAX_BLOCK_N = 64, 256
 BLOCK_K = 64
+MIN_BLOCK_K = 64
 
 
 def block_n(rows: int, n: int) -> int | None:
@@ -45,40 +48,60 @@ def block_n(rows: int, n: int) -> int | None:
 
 
 def supported(rows: int, k: int, n: int) -> bool:
-    return k % BLOCK_K == 0 and block_n(rows, n) is not None
+    return k % MIN_BLOCK_K == 0 and block_n(rows, n) is not None
+
+
+def block_k(k: int, want: int = BLOCK_K) -> int:
+    """The largest power of two <= `want` (and >= MIN_BLOCK_K) dividing k."""
+    b = want
+    while b > MIN_BLOCK_K and k % b:
+        b //= 2
+    return b
 
 
 def _kernel(experts_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, steps: int):
+    """Program (a, n, s): columns block n of row a over the s-th of the K splits (steps
+    blocks of block_k rows each), into o_ref[s] (float32 partial sums where split)."""
     a = pl.program_id(0)
     n = pl.program_id(1)
+    first = pl.program_id(2) * steps
     e = experts_ref[a]
     cols = pl.ds(n * block_n, block_n)
 
     def body(i, acc):
-        rows = pl.ds(i * block_k, block_k)
+        rows = pl.ds((first + i) * block_k, block_k)
         xk = x_ref[a, rows].astype(jnp.float32)  # [BK]
         wk = w_ref[e, rows, cols].astype(jnp.float32)  # [BK, BN]
         return acc + jnp.sum(xk[:, None] * wk, axis=0)
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
-    o_ref[a, cols] = acc.astype(o_ref.dtype)
+    o_ref[pl.program_id(2), a, cols] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages", "bk", "bn", "splits"))
 def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool = False,
-                  num_warps: int = 4) -> jax.Array:
-    """x [A, K], w [E, K, N], experts [A] int -> [A, N] in x's dtype, row a = x[a] @ w[experts[a]]."""
+                  num_warps: int = 4, num_stages: int = 2, bk: int = BLOCK_K, bn: int | None = None,
+                  splits: int = 1) -> jax.Array:
+    """x [A, K], w [E, K, N], experts [A] int -> [A, N] in x's dtype, row a = x[a] @ w[experts[a]].
+    `bk`: the contraction block wanted (the largest power of two up to it dividing K);
+    `bn`: the column block (default `block_n`); `splits`: programs that share one output
+    block's contraction (more programs in flight for few rows), their float32 partial sums
+    added after the kernel (K / bk must divide by it)."""
     A, K = x.shape
     N = w.shape[2]
-    bn = block_n(A, N)
-    if K % BLOCK_K or bn is None:
-        raise ValueError(f"expert_matmul needs K % {BLOCK_K} == 0 and N divisible by {MIN_BLOCK_N}; "
+    bn = bn or block_n(A, N)
+    if K % MIN_BLOCK_K or bn is None or N % bn:
+        raise ValueError(f"expert_matmul needs K % {MIN_BLOCK_K} == 0 and N divisible by {MIN_BLOCK_N}; "
                          f"got K={K}, N={N}")
-    return pl.pallas_call(
-        functools.partial(_kernel, block_k=BLOCK_K, block_n=bn, steps=K // BLOCK_K),
-        grid=(A, N // bn),
-        out_shape=jax.ShapeDtypeStruct((A, N), x.dtype),
+    bk = block_k(K, bk)
+    if (K // bk) % splits:
+        raise ValueError(f"expert_matmul: {K // bk} contraction blocks do not split {splits} ways")
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_k=bk, block_n=bn, steps=K // bk // splits),
+        grid=(A, N // bn, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, A, N), x.dtype if splits == 1 else jnp.float32),
         interpret=interpret,
-        compiler_params=triton_params(num_warps, 2),
-        name=f"expert_matmul_bn{bn}",
+        compiler_params=triton_params(num_warps, num_stages),
+        name=f"expert_matmul_bk{bk}_bn{bn}_s{splits}",
     )(experts.astype(jnp.int32), x, w.astype(x.dtype))
+    return out[0] if splits == 1 else out.sum(axis=0).astype(x.dtype)  # [S, A, N] -> [A, N]

@@ -265,3 +265,14 @@ def test_common_helpers(tmp_path, monkeypatch, capsys):
                           text=True).stdout.strip()
     monkeypatch.chdir(tmp_path)  # not a repository
     assert common.git_commit() == head
+
+
+@pytest.mark.timeout(300)
+def test_expert_matmul_bench(tmp_path):
+    res = run_script(tmp_path, "expert_matmul_bench", "--tiny", "--rows", "4", "--bk", "64", "128", "--bn", "64",
+                     "--splits", "1", "2", "--warps", "4", "--stages", "2", "--iters", "1", "--layers", "2")
+    # Tiny experts: gate_up [128, 128] takes bk 64 and 128 (and splits of 2), down [64, 128] only bk 64.
+    got = {(r["shape"], r["bk"], r["splits"]) for r in res["rows"]}
+    assert got == {("gate_up", 64, 1), ("gate_up", 64, 2), ("gate_up", 128, 1), ("down", 64, 1)}, got
+    assert all(r["rel_err_vs_first"] < 1e-5 for r in res["rows"])
+    assert {(f["rows"], f["shape"]) for f in res["fastest"]} == {(4, "gate_up"), (4, "down")}
