@@ -10,6 +10,7 @@ relay and the table are small and replicated, so every device reads its own copy
 | lm_head `[D, V]` | output axis over "tp" (column parallel) |
 | wo, w_down | input axis over "tp" (row parallel; XLA all-reduces the output) |
 | MoE experts' w_gate_up `[E, D, 2F]`, w_down `[E, F, D]` | as a dense MLP's: F over "tp" in every expert |
+| shared expert's w_shared_gate_up `[D, 2Fs]`, w_shared_down `[Fs, D]` (Qwen2-MoE) | as a dense MLP's: Fs over "tp" |
 | k_cache, v_cache `[L, S, KVH, HD]` | KV heads over "tp" |
 | draft_k_cache, draft_v_cache `[Ld, S, KVHd, HDd]` | with the Pallas kernels (under shard_map, split on heads): KV heads over "tp"; else replicated |
 | penalty history `[E, V]` | with lm_head split: the vocabulary over "tp", as the logits it meets; else replicated |
@@ -24,7 +25,9 @@ those computations give, so that keeping them need not move data.
 wqkv (and bqkv) and w_gate_up store their fused output axis as one contiguous block per
 device, [q | k | v heads of that device] and [gate | up columns of that device]
 (models/params.py), so splitting q/k/v and gate/up is local: per layer, the only
-collectives are the all-reduces after wo and w_down. The loader writes that layout when
+collectives are the all-reduces after wo and w_down (and a shared expert's down
+projection, whose partial sums join the experts'; its [D, 1] output gate is replicated, so
+every device computes the whole gate). The loader writes that layout when
 given `tensor_parallel_size`, and given `param_shardings` it makes each weight in place on
 its devices (no device ever holds a whole split weight); `shard_params` places and converts
 weights that arrive otherwise.
@@ -90,9 +93,15 @@ def param_shardings(params: ModelParams, mesh: Mesh) -> ModelParams:
         def last(x):
             return None if x is None else len(x.shape) - 1
 
-        return dataclasses.replace(l, wqkv=split(l.wqkv, last(l.wqkv)), wo=split(l.wo, last(l.wo) - 1),
+        def first(x):  # the input axis of a [.., in, out] matrix
+            return None if x is None else len(x.shape) - 2
+
+        return dataclasses.replace(l, wqkv=split(l.wqkv, last(l.wqkv)), wo=split(l.wo, first(l.wo)),
                                    w_gate_up=split(l.w_gate_up, last(l.w_gate_up)),
-                                   w_down=split(l.w_down, last(l.w_down) - 1), w_router=split(l.w_router, None))
+                                   w_down=split(l.w_down, first(l.w_down)), w_router=split(l.w_router, None),
+                                   w_shared_gate_up=split(l.w_shared_gate_up, last(l.w_shared_gate_up)),
+                                   w_shared_down=split(l.w_shared_down, first(l.w_shared_down)),
+                                   w_shared_gate=split(l.w_shared_gate, None))
 
     stacked = isinstance(params.layers, LayerParams)
     return dataclasses.replace(

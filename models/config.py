@@ -12,9 +12,10 @@ import numpy as np
 # HF `model_type` values we serve; Qwen2 is Qwen3 without qk-norm but with a qkv bias;
 # Mistral is Llama's layer, with a sliding window in some versions (`attention_window`).
 # The mixture-of-experts families: Qwen3-MoE is Qwen3's attention with a routed MLP in every
-# layer, Mixtral is Mistral's (models/moe.py).
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+# layer, Mixtral is Mistral's, Qwen2-MoE is Qwen2's with routed experts plus a gated shared
+# expert (models/moe.py).
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 class CheckpointError(ValueError):
@@ -92,10 +93,13 @@ class ModelConfig:
     # Mixture of experts (0: a dense MLP). Each token's MLP is the weighted sum of the
     # `experts_per_token` experts its router scores highest, each a SwiGLU MLP of width
     # `intermediate_size`; `norm_topk_prob` renormalizes those experts' router probabilities
-    # to sum to 1 (Mixtral always does; Qwen3-MoE as its config says).
+    # to sum to 1 (Mixtral always does; Qwen3-MoE and Qwen2-MoE as their config says).
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk_prob: bool = False
+    # Qwen2-MoE's shared expert (0: none): a SwiGLU MLP of this width that every token runs
+    # besides its routed experts, its output scaled by sigmoid(x @ w_shared_gate).
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -104,6 +108,9 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.experts_per_token} must be between 1 and "
                              f"num_experts={self.num_experts}")
+        if self.shared_expert_intermediate_size < 0 or (self.shared_expert_intermediate_size and not self.num_experts):
+            raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}: a shared "
+                             f"expert needs a mixture-of-experts layer (num_experts > 0) and a width >= 1")
 
     @property
     def is_moe(self) -> bool:
@@ -150,8 +157,8 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             hint = ""
-            if model_type in ("qwen2_moe", "deepseek_v2", "deepseek_v3"):
-                hint = " (mixture of experts with shared experts is not implemented)"
+            if model_type in ("deepseek_v2", "deepseek_v3"):
+                hint = " (DeepSeek's multi-head latent attention and grouped expert routing are not implemented)"
             raise ValueError(f"unsupported model_type {model_type!r}{hint}; supported: {SUPPORTED_MODEL_TYPES}")
         _refuse_unsupported(cfg)
         num_heads = cfg["num_attention_heads"]
@@ -169,9 +176,9 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            # A MoE model's MLP width is its experts' (Qwen3-MoE's `intermediate_size` is that
-            # of dense layers it does not have here; Mixtral's is its experts').
-            intermediate_size=cfg["moe_intermediate_size"] if model_type == "qwen3_moe" else cfg["intermediate_size"],
+            # A MoE model's MLP width is its experts' (the Qwen MoE families' `intermediate_size`
+            # is that of dense layers they do not have here; Mixtral's is its experts').
+            intermediate_size=cfg["moe_intermediate_size"] if model_type in _QWEN_MOE else cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,  # null means as many as queries
@@ -180,7 +187,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=_qkv_bias(cfg, model_type),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             eos_token_ids=eos_ids,
@@ -226,33 +233,59 @@ def _attention_window(cfg: dict, model_type: str) -> int | None:
     return window
 
 
+def _qkv_bias(cfg: dict, model_type: str) -> bool:
+    """Whether q, k and v have biases: always in Qwen2; in Qwen2-MoE unless its `qkv_bias`
+    says not (transformers' default is true, and checkpoints written before that field
+    existed have the biases); where `attention_bias` says so in the others."""
+    if model_type == "qwen2":
+        return True
+    if model_type == "qwen2_moe":
+        value = cfg.get("qkv_bias", True)
+        if not isinstance(value, bool):
+            raise CheckpointError(f"qkv_bias must be true or false, got {value!r}")
+        return value
+    return bool(cfg.get("attention_bias", False))
+
+
+# The Qwen MoE families: experts of width `moe_intermediate_size`, the count in `num_experts`,
+# and `intermediate_size` the width of dense MLP layers (refused: `_moe_fields`).
+_QWEN_MOE = ("qwen3_moe", "qwen2_moe")
+
+
 def _moe_fields(cfg: dict, model_type: str) -> dict:
     """ModelConfig's mixture-of-experts fields from a MoE family's config.json (none for dense ones)."""
     if model_type not in MOE_MODEL_TYPES:
         return {}
-    # Qwen3-MoE writes `num_experts` (transformers 5 saves it as `num_local_experts`, Mixtral's name).
-    experts = cfg.get("num_experts") if model_type == "qwen3_moe" else None
+    qwen = model_type in _QWEN_MOE
+    # The Qwen families write `num_experts` (transformers 5 saves Qwen3-MoE's as
+    # `num_local_experts`, Mixtral's name).
+    experts = cfg.get("num_experts") if qwen else None
     experts = cfg.get("num_local_experts") if experts is None else experts
     if experts is None:
-        raise KeyError("num_experts" if model_type == "qwen3_moe" else "num_local_experts")
+        raise KeyError("num_experts" if qwen else "num_local_experts")
     top_k = cfg["num_experts_per_tok"]
     values = (("num_experts", experts), ("num_experts_per_tok", top_k))
-    if model_type == "qwen3_moe":
+    if qwen:
         values += (("moe_intermediate_size", cfg["moe_intermediate_size"]),)
+    shared = cfg["shared_expert_intermediate_size"] if model_type == "qwen2_moe" else 0
+    if model_type == "qwen2_moe":
+        values += (("shared_expert_intermediate_size", shared),)
     for name, value in values:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{name} must be a positive integer, got {value!r}")
     normalize = cfg.get("norm_topk_prob", False)
     if not isinstance(normalize, bool):
         raise CheckpointError(f"norm_topk_prob must be true or false, got {normalize!r}")
-    if model_type == "qwen3_moe":
-        # Dense MLP layers between the MoE ones (Qwen3-MoE's `mlp_only_layers`, a
-        # `decoder_sparse_step` above 1): every layer here has the one MLP form.
+    if qwen:
+        # Dense MLP layers between the MoE ones (`mlp_only_layers`, a `decoder_sparse_step`
+        # above 1): every layer here has the one MLP form.
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-            raise CheckpointError("Qwen3-MoE with dense MLP layers (mlp_only_layers, decoder_sparse_step > 1) "
+            name = "Qwen3-MoE" if model_type == "qwen3_moe" else "Qwen2-MoE"
+            raise CheckpointError(f"{name} with dense MLP layers (mlp_only_layers, decoder_sparse_step > 1) "
                                   "is not supported; every layer must be a MoE layer")
     return dict(num_experts=experts, experts_per_token=top_k,
-                norm_topk_prob=True if model_type == "mixtral" else normalize)
+                norm_topk_prob=True if model_type == "mixtral" else normalize,
+                shared_expert_intermediate_size=shared)
 
 
 def _refuse_unsupported(cfg: dict) -> None:

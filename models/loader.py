@@ -41,6 +41,7 @@ from jaxoverlap.models.params import (
     gate_up_sizes,
     layout_shards,
     qkv_sizes,
+    shared_gate_up_sizes,
     to_shard_blocks,
 )
 
@@ -50,7 +51,8 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 # Bump when the converted layout changes, so stale orbax caches are not restored.
 # 2: LayerParams has a `w_router` field (mixture of experts).
-_CACHE_VERSION = 2
+# 3: LayerParams has the shared-expert fields `w_shared_gate_up`, `w_shared_down`, `w_shared_gate` (Qwen2-MoE).
+_CACHE_VERSION = 3
 
 # safetensors dtype tags numpy cannot represent natively; read through ml_dtypes instead.
 _ML_DTYPES = {
@@ -233,6 +235,10 @@ def _expected_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]
             want[names.router] = (cfg.num_experts, D)
             for e in range(cfg.num_experts):
                 want.update({names.gate(e): (F, D), names.up(e): (F, D), names.down(e): (D, F)})
+            if cfg.shared_expert_intermediate_size:
+                Fs = cfg.shared_expert_intermediate_size
+                want.update({names.shared("gate_proj"): (Fs, D), names.shared("up_proj"): (Fs, D),
+                             names.shared("down_proj"): (D, Fs), names.shared_gate: (1, D)})
         else:
             want.update({names.gate(None): (F, D), names.up(None): (F, D), names.down(None): (D, F)})
         if cfg.qkv_bias:
@@ -251,7 +257,7 @@ def _expected_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]
 @dataclasses.dataclass(frozen=True)
 class _MlpNames:
     """Checkpoint names of one layer's MLP tensors: `gate(e)`, `up(e)`, `down(e)` of expert e
-    (e None in a dense layer), and the router's."""
+    (e None in a dense layer), the router's, and a shared expert's (Qwen2-MoE)."""
     layer: str  # "model.layers.{i}."
     mixtral: bool
 
@@ -274,6 +280,15 @@ class _MlpNames:
 
     def down(self, e: int | None) -> str:
         return self._expert(e, "down_proj", "w2")
+
+    def shared(self, proj: str) -> str:
+        """The shared expert's `proj` ("gate_proj", "up_proj" or "down_proj")."""
+        return self.layer + f"mlp.shared_expert.{proj}.weight"
+
+    @property
+    def shared_gate(self) -> str:
+        """The shared expert's output gate, a Linear D -> 1."""
+        return self.layer + "mlp.shared_expert_gate.weight"
 
 
 def _mlp_names(cfg: ModelConfig, layer_prefix: str) -> _MlpNames:
@@ -304,8 +319,9 @@ def _check_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, 
                 f"tensor {name!r} in {where!r} has shape {list(got)}, but config.json implies {list(shape)}"
             )
     # Tensors the params layout cannot hold would silently change the model if dropped.
-    unsupported = [n for n in reader.names() if n.endswith(("o_proj.bias", "mlp.gate_proj.bias",
-                                                             "mlp.up_proj.bias", "mlp.down_proj.bias"))]
+    # (The MLPs' endings cover the dense MLP's, the experts' and a shared expert's.)
+    unsupported = [n for n in reader.names() if n.endswith(("o_proj.bias", "gate_proj.bias",
+                                                             "up_proj.bias", "down_proj.bias"))]
     if unsupported:
         raise CheckpointError(f"checkpoint {where!r} has biases this engine does not support: {unsupported[:4]}")
     extra = [n for n in reader.names() if n not in want and not _IGNORED.match(n)
@@ -360,6 +376,14 @@ def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, sha
                 w_down=experts((names.down,), s.w_down),  # [E, F, D]
                 w_router=matrix(names.router, sharding=s.w_router),  # [D, E]
             )
+            if cfg.shared_expert_intermediate_size:
+                mlp.update(
+                    w_shared_gate_up=matrix(names.shared("gate_proj"), names.shared("up_proj"),  # [D, 2Fs]
+                                            sharding=s.w_shared_gate_up, blocks=shared_gate_up_sizes(cfg),
+                                            shards=gate_up_shards),
+                    w_shared_down=matrix(names.shared("down_proj"), sharding=s.w_shared_down),  # [Fs, D]
+                    w_shared_gate=matrix(names.shared_gate, sharding=s.w_shared_gate),  # [1, D] -> [D, 1]
+                )
         else:
             mlp = dict(
                 w_gate_up=matrix(names.gate(None), names.up(None),  # [D, 2F]
@@ -428,17 +452,34 @@ def _normal(key, shape, std: float, dtype) -> jax.Array:
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
+# The LayerParams fields that `_dummy_layer` takes shardings for, in its order.
+_DUMMY_FIELDS = ("wqkv", "wo", "w_gate_up", "w_down", "w_router", "w_shared_gate_up", "w_shared_down",
+                 "w_shared_gate")
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "tp", "shardings"))
-def _dummy_layer(key, cfg: ModelConfig, dtype, tp: int = 1, shardings=(None,) * 5) -> LayerParams:
-    """One layer's random weights; `shardings` those of (wqkv, wo, w_gate_up, w_down, w_router)."""
+def _dummy_layer(key, cfg: ModelConfig, dtype, tp: int = 1, shardings=(None,) * len(_DUMMY_FIELDS)) -> LayerParams:
+    """One layer's random weights; `shardings` those of the `_DUMMY_FIELDS`."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
     gain = _TIED_RESIDUAL_GAIN if cfg.tie_word_embeddings else 1.0
     qkv_shards, gate_up_shards = layout_shards(cfg, tp)
     k1, k2, k3, k4 = jax.random.split(key, 4)
     k5 = jax.random.fold_in(key, 4)  # the router's (a split into 5 would change dense models' weights)
-    s_qkv, s_o, s_gate_up, s_down, s_router = shardings
+    # The shared expert's, folded in likewise so that the other weights stay those of its seed.
+    k6, k7, k8 = (jax.random.fold_in(key, j) for j in (5, 6, 7))
+    s_qkv, s_o, s_gate_up, s_down, s_router, s_shared_gate_up, s_shared_down, s_shared_gate = shardings
     experts = (cfg.num_experts,) if cfg.is_moe else ()  # a MoE layer's leading expert axis
+    Fs = cfg.shared_expert_intermediate_size
+    shared = {}
+    if Fs:
+        shared = dict(
+            w_shared_gate_up=_constrain(to_shard_blocks(_normal(k6, (D, 2 * Fs), D ** -0.5, dtype),
+                                                        shared_gate_up_sizes(cfg), gate_up_shards), s_shared_gate_up),
+            w_shared_down=_constrain(_normal(k7, (Fs, D), gain * Fs ** -0.5, dtype), s_shared_down),
+            # Gate logits of std ~1: the shared expert's weight varies from token to token.
+            w_shared_gate=_constrain(_normal(k8, (D, 1), D ** -0.5, dtype), s_shared_gate),
+        )
     # Drawn in the plain order and then permuted, so that a seed is one model at every tp.
     return LayerParams(
         wqkv=_constrain(to_shard_blocks(_normal(k1, (D, qkv), D ** -0.5, dtype), qkv_sizes(cfg), qkv_shards), s_qkv),
@@ -448,7 +489,7 @@ def _dummy_layer(key, cfg: ModelConfig, dtype, tp: int = 1, shardings=(None,) * 
         w_down=_constrain(_normal(k4, (*experts, F, D), gain * F ** -0.5, dtype), s_down),
         # Router logits of std ~1: each token's top experts are clearly ahead of the rest.
         w_router=_constrain(_normal(k5, (D, cfg.num_experts), D ** -0.5, dtype), s_router) if cfg.is_moe else None,
-        qkv_shards=qkv_shards, gate_up_shards=gate_up_shards,
+        qkv_shards=qkv_shards, gate_up_shards=gate_up_shards, **shared,
     )
 
 
@@ -474,10 +515,9 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, tp: int = 1, shardings=
     def layer(i: int) -> LayerParams:
         s = where.layer(i)
         made = _dummy_layer(jax.random.fold_in(k_layers, i), cfg, dtype, tp,
-                            (s.wqkv, s.wo, s.w_gate_up, s.w_down, s.w_router))
-        return dataclasses.replace(made, wqkv=_place(made.wqkv, s.wqkv), wo=_place(made.wo, s.wo),
-                                   w_gate_up=_place(made.w_gate_up, s.w_gate_up), w_down=_place(made.w_down, s.w_down),
-                                   w_router=_place(made.w_router, s.w_router))
+                            tuple(getattr(s, name) for name in _DUMMY_FIELDS))
+        return dataclasses.replace(made, **{name: _place(getattr(made, name), getattr(s, name))
+                                            for name in _DUMMY_FIELDS})
 
     def matrix(key, shape, name: str) -> jax.Array:
         s = where.get(name)

@@ -1,10 +1,11 @@
-"""The mixture-of-experts MLP of Qwen3-MoE and Mixtral, in XLA ops with static shapes.
+"""The mixture-of-experts MLP of Qwen3-MoE, Mixtral and Qwen2-MoE, in XLA ops with static shapes.
 
 Routing, as the HF reference computes it: router logits in the model's dtype, a float32
 softmax over all experts, the top k experts of each token, their probabilities renormalized
 to sum to 1 where the config says so (`norm_topk_prob`; always for Mixtral), cast back to the
 model's dtype. A token's MLP output is the sum of its k experts' SwiGLU outputs, each times
-its weight.
+its weight. Qwen2-MoE adds a shared expert: a dense SwiGLU MLP that every token runs, its
+output times sigmoid(x @ w_shared_gate) (a [D, 1] gate), added to the routed experts' sum.
 
 How the experts are computed depends on the static shape of the program (`plan`), since XLA
 needs static shapes and the cheapest way differs between a decode step and a prefill chunk:
@@ -36,7 +37,8 @@ dense matmul over every group (as of JAX 0.10/0.11 on NVIDIA GPUs), so it would 
 "dense" plan at a higher cost.
 
 Under tensor parallelism the experts' MLP width F is split like a dense MLP's (parallel.py):
-`w_gate_up [E, D, 2F]` keeps per-shard [gate | up] blocks on its last axis.
+`w_gate_up [E, D, 2F]` keeps per-shard [gate | up] blocks on its last axis. So is a shared
+expert's width; its [D, 1] gate is replicated (every device computes the same gate).
 """
 from __future__ import annotations
 
@@ -90,7 +92,9 @@ def activation_bytes(tokens: int, experts: int, top_k: int, hidden: int, width: 
     """About the bytes of the MoE MLP's temporaries in one layer of a `tokens`-token program
     under its plan: the [E, T, ..] intermediates of "dense", the gathered expert weights and
     rows of "grouped". For memory sizing (the engine keeps this free of the KV cache): for
-    prefill chunks it is several GB on Qwen3-30B-A3B, more than the dense models' headroom."""
+    prefill chunks it is several GB on Qwen3-30B-A3B, more than the dense models' headroom.
+    A shared expert's temporaries ([T, 2Fs], [T, Fs]) are those of a dense MLP of its width,
+    which the headroom kept for dense models covers (as it does their MLP's): not counted."""
     kind, block = plan(tokens, experts, top_k, kernel)
     if kind == "pallas":  # rows [A, D], gate_up [A, 2F], act [A, F], out [A, D]
         return tokens * top_k * (2 * hidden + 3 * width) * itemsize
@@ -115,7 +119,7 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, normalize: bool):
     return weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
-def _swiglu(gate_up: jax.Array, shards: int) -> jax.Array:
+def swiglu(gate_up: jax.Array, shards: int) -> jax.Array:
     """[..., 2F] in `shards` per-shard [gate | up] blocks -> silu(gate) * up [..., F]."""
     lead, two_f = gate_up.shape[:-1], gate_up.shape[-1]
     F = two_f // 2
@@ -123,6 +127,13 @@ def _swiglu(gate_up: jax.Array, shards: int) -> jax.Array:
     gate = blocks[..., : F // shards].reshape(*lead, F)  # [..., N, F/N] -> [..., F], column s*F/N + j
     up = blocks[..., F // shards :].reshape(*lead, F)
     return jax.nn.silu(gate) * up
+
+
+def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, shards: int) -> jax.Array:
+    """A dense SwiGLU MLP: x [..., D] -> [..., D] in x's dtype, with `w_gate_up [D, 2F]` in
+    `shards` per-shard [gate | up] blocks and `w_down [F, D]`. A dense layer's MLP
+    (transformer.gated_mlp) and a MoE layer's shared expert."""
+    return jnp.dot(swiglu(jnp.dot(x, w_gate_up), shards), w_down)
 
 
 def _dense(x, weights, experts, w_gate_up, w_down, shards):
@@ -134,7 +145,7 @@ def _dense(x, weights, experts, w_gate_up, w_down, shards):
     # layout: contracting x [T, D] with w [E, D, 2F] as one GEMM would first transpose every
     # expert's weights to [D, E, 2F], a copy of all of them per step.
     xe = jnp.broadcast_to(x, (E, T, D))  # [T, D] -> [E, T, D]
-    act = _swiglu(jnp.einsum("etd,edf->etf", xe, w_gate_up), shards)  # [E, T, F]
+    act = swiglu(jnp.einsum("etd,edf->etf", xe, w_gate_up), shards)  # [E, T, F]
     act = act * combine.T[:, :, None]  # the weight before the down projection (it is linear)
     y = jnp.einsum("etf,efd->etd", act, w_down, preferred_element_type=jnp.float32)  # [E, T, D]
     return jnp.sum(y, axis=0)  # [T, D]
@@ -169,7 +180,7 @@ def _grouped(x, weights, experts, w_gate_up, w_down, shards, block: int):
     block_expert = jnp.minimum(block_expert, E - 1)
     x_rows = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[row_token]  # [rows, D]
     x_blocks = x_rows.reshape(n_blocks, block, D)  # [rows, D] -> [n_blocks, b, D]
-    act = _swiglu(jnp.einsum("nbd,ndf->nbf", x_blocks, w_gate_up[block_expert]), shards)  # [n_blocks, b, F]
+    act = swiglu(jnp.einsum("nbd,ndf->nbf", x_blocks, w_gate_up[block_expert]), shards)  # [n_blocks, b, F]
     act = act * row_weight.reshape(n_blocks, block)[:, :, None]  # [rows] -> [n_blocks, b]
     y = jnp.einsum("nbf,nfd->nbd", act, w_down[block_expert], preferred_element_type=jnp.float32)
     y = y.reshape(rows, D)  # [n_blocks, b, D] -> [rows, D]
@@ -190,7 +201,7 @@ def _sliced(x, weights, experts, w_gate_up, w_down, shards):
             e = experts[t, j]
             w1 = jax.lax.dynamic_index_in_dim(w_gate_up, e, axis=0, keepdims=False)  # [D, 2F]
             w2 = jax.lax.dynamic_index_in_dim(w_down, e, axis=0, keepdims=False)  # [F, D]
-            act = _swiglu(jnp.dot(x[t], w1), shards) * weights[t, j]  # [F]
+            act = swiglu(jnp.dot(x[t], w1), shards) * weights[t, j]  # [F]
             y = y + jnp.dot(act, w2, preferred_element_type=jnp.float32)
         out.append(y)
     return jnp.stack(out)  # T x [D] -> [T, D]
@@ -223,7 +234,7 @@ def _pallas(x, weights, experts, w_gate_up, w_down, shards, expert_matmul):
     A = T * k
     flat = experts.reshape(A)  # [T, k] -> [A]
     rows = jnp.repeat(x, k, axis=0)  # [A, D]: row a is token a // k
-    act = _swiglu(expert_matmul(rows, w_gate_up, flat), shards)  # [A, F]
+    act = swiglu(expert_matmul(rows, w_gate_up, flat), shards)  # [A, F]
     act = act * weights.reshape(A)[:, None]  # [T, k] -> [A]
     y = expert_matmul(act, w_down, flat)  # [A, D]
     return y.astype(jnp.float32).reshape(T, k, D).sum(axis=1)  # [A, D] -> [T, k, D] -> [T, D]
@@ -232,9 +243,12 @@ def _pallas(x, weights, experts, w_gate_up, w_down, shards, expert_matmul):
 def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None,
             force_plan: tuple[str, int] | None = None) -> jax.Array:
     """The MoE MLP over h [R, Q, D] with layer weights `lw` (w_router [D, E], w_gate_up
-    [E, D, 2F], w_down [E, F, D]). `expert_matmul(x, w, experts)` is the attention backend's
-    expert-matmul kernel, or None; `force_plan` overrides `plan` (tests, benchmarks; a
-    forced "pallas" without a kernel runs pallas_kernels/expert_matmul.py). Returns [R, Q, D]."""
+    [E, D, 2F], w_down [E, F, D], and a shared expert's w_shared_gate_up [D, 2Fs],
+    w_shared_down [Fs, D], w_shared_gate [D, 1] where it has one). `expert_matmul(x, w,
+    experts)` is the attention backend's expert-matmul kernel, or None; `force_plan`
+    overrides `plan` (tests, benchmarks; a forced "pallas" without a kernel runs
+    pallas_kernels/expert_matmul.py); the shared expert runs the same under every plan.
+    Returns [R, Q, D]."""
     R, Q, D = h.shape
     x = h.reshape(R * Q, D)  # [R, Q, D] -> [T, D]
     weights, experts = route(x, lw.w_router, top_k, normalize)
@@ -249,4 +263,11 @@ def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None
         out = _sliced(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
     else:
         out = _grouped(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards, block)
+    if lw.w_shared_gate_up is not None:
+        # The shared expert and its gate in the model's dtype, as the reference computes them;
+        # added to the routed sum in float32 (the reference adds the two after rounding each
+        # to the model's dtype: one rounding less here, within bf16's noise of it).
+        shared = swiglu_mlp(x, lw.w_shared_gate_up, lw.w_shared_down, lw.gate_up_shards)  # [T, D]
+        gate = jax.nn.sigmoid(jnp.dot(x, lw.w_shared_gate))  # [T, 1]
+        out = out + (gate * shared).astype(jnp.float32)
     return out.astype(h.dtype).reshape(R, Q, D)  # [T, D] -> [R, Q, D]

@@ -13,6 +13,9 @@ through static slices `w[i % G]`. `layer_at` reads every form. Matrices are stor
 Mixture-of-experts layers (models/moe.py) hold their experts' MLPs in the same two fields,
 with an expert axis first: `w_gate_up [E, D, 2F]`, `w_down [E, F, D]`, and the router
 `w_router [D, E]` (None in dense layers). Stacking puts the layer axis before the expert axis.
+Qwen2-MoE's shared expert is a dense MLP of its own width Fs beside them: `w_shared_gate_up
+[D, 2Fs]` (per-shard [gate | up] blocks, as a dense `w_gate_up`), `w_shared_down [Fs, D]`,
+and its output gate `w_shared_gate [D, 1]` (all None in layers without one).
 
 Fused column blocks under tensor parallelism. `wqkv` (and `bqkv`) fuse q, k and v on the
 output axis, `w_gate_up` fuses gate and up. Sharding such an axis over N devices in the
@@ -26,8 +29,9 @@ contiguous per-shard blocks, `[in, N, per_shard]` flattened:
 with shard s holding q heads s*H/N .. (s+1)*H/N - 1, kv heads s*KVH/N .., and MLP columns
 s*F/N .. (s+1)*F/N - 1 (the rows of wo / w_down that the same device holds), so GQA groups
 stay on one device. N = 1 is the plain HF order. `LayerParams.qkv_shards` and
-`gate_up_shards` record N (static pytree metadata); a shape that does not divide by the
-tensor-parallel size keeps N = 1 (see `layout_shards`).
+`gate_up_shards` record N (static pytree metadata; `gate_up_shards` is that of the shared
+expert's `w_shared_gate_up` too); a shape that does not divide by the tensor-parallel size
+keeps N = 1 (see `layout_shards`).
 """
 from __future__ import annotations
 
@@ -48,6 +52,11 @@ class LayerParams:
     w_gate_up: jax.Array  # [D, 2 * F]: per-shard [gate | up] blocks ([E, D, 2 * F] in a MoE layer)
     w_down: jax.Array  # [F, D] ([E, F, D] in a MoE layer)
     w_router: jax.Array | None = None  # [D, E]: a MoE layer's router; None in a dense layer
+    # A MoE layer's shared expert (Qwen2-MoE), None without one: its SwiGLU MLP of width Fs,
+    # in the per-shard [gate | up] layout of `gate_up_shards`, and its output gate.
+    w_shared_gate_up: jax.Array | None = None  # [D, 2 * Fs]
+    w_shared_down: jax.Array | None = None  # [Fs, D]
+    w_shared_gate: jax.Array | None = None  # [D, 1]
     # Static, so the forward knows how to split the fused outputs at trace time.
     qkv_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
     gate_up_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
@@ -67,11 +76,11 @@ class ModelParams:
     bqkv: jax.Array | None = None  # [L, (H + 2 * KVH) * HD] (Qwen2 qkv bias), in the layers' qkv_shards layout
 
 
-MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "w_router")
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "w_router", "w_shared_gate_up", "w_shared_down", "w_shared_gate")
 
 
 def matrices(layer: LayerParams) -> tuple[str, ...]:
-    """The names of `layer`'s weight arrays (MATRICES less those a dense layer lacks)."""
+    """The names of `layer`'s weight arrays (MATRICES less those its kind of layer lacks)."""
     return tuple(name for name in MATRICES if getattr(layer, name) is not None)
 
 
@@ -171,8 +180,9 @@ def layout_shards(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     the plain layout, whose axis parallel.py then shards or replicates as before."""
     qkv = tp if cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0 else 1
     # F is the MLP's width, each expert's in a MoE model (whose experts split the same way).
-    gate_up = tp if cfg.intermediate_size % tp == 0 else 1
-    return qkv, gate_up
+    # A shared expert's width must divide too: one layout (one static field) serves both.
+    fits = cfg.intermediate_size % tp == 0 and cfg.shared_expert_intermediate_size % tp == 0
+    return qkv, tp if fits else 1
 
 
 def qkv_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -182,6 +192,11 @@ def qkv_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
 
 def gate_up_sizes(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.intermediate_size, cfg.intermediate_size
+
+
+def shared_gate_up_sizes(cfg: ModelConfig) -> tuple[int, int]:
+    """Widths of the gate and up parts of a shared expert's fused axis."""
+    return cfg.shared_expert_intermediate_size, cfg.shared_expert_intermediate_size
 
 
 def to_shard_blocks(x: jax.Array, sizes: tuple[int, ...], shards: int) -> jax.Array:
@@ -234,12 +249,14 @@ def relayout(params, cfg: ModelConfig, tp: int):
         return params
 
     def convert(x, sizes, have, want):
-        return x if have == want else _relayout_one(x, sizes, have, want)
+        return x if have == want or x is None else _relayout_one(x, sizes, have, want)
 
     new_layers = tuple(
         dataclasses.replace(
             l, wqkv=convert(l.wqkv, qkv_sizes(cfg), l.qkv_shards, want_qkv),
             w_gate_up=convert(l.w_gate_up, gate_up_sizes(cfg), l.gate_up_shards, want_gu),
+            # The shared expert's gate_up shares the layer's gate_up_shards, with its own widths.
+            w_shared_gate_up=convert(l.w_shared_gate_up, shared_gate_up_sizes(cfg), l.gate_up_shards, want_gu),
             qkv_shards=want_qkv, gate_up_shards=want_gu)
         for l in layers
     )

@@ -1,5 +1,5 @@
 """The decoder-only transformer shared by Qwen3, Qwen2, Llama 3.x, Mistral and their
-mixture-of-experts kin (Qwen3-MoE, Mixtral: models/moe.py), over a paged KV cache.
+mixture-of-experts kin (Qwen3-MoE, Qwen2-MoE, Mixtral: models/moe.py), over a paged KV cache.
 
 One forward covers every kind of step: a batch is `R` rows of `Q` query tokens each
 (decode: Q=1; speculative verify: Q=1+k; chunked prefill: Q=chunk), every row belongs to
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.moe import moe_mlp
+from jaxoverlap.models.moe import moe_mlp, swiglu_mlp
 from jaxoverlap.models.params import LayerParams, ModelParams, layer_at, num_layers
 # The XLA gather path is the CPU production path and the reference of the Pallas kernels.
 from jaxoverlap.pallas_kernels.reference import paged_attention_ref as xla_paged_attention
@@ -63,19 +63,15 @@ def split_qkv(qkv: jax.Array, H: int, KVH: int, HD: int, shards: int):
 
 
 def gated_mlp(h: jax.Array, lw: LayerParams) -> jax.Array:
-    """SwiGLU MLP over [R, Q, D] with `w_gate_up` in its per-shard [gate | up] layout."""
-    R, Q = h.shape[:2]
-    N = lw.gate_up_shards
-    F = lw.w_down.shape[0]
-    gate_up = jnp.dot(h, lw.w_gate_up).reshape(R, Q, N, 2 * F // N)  # [R, Q, 2F] -> [R, Q, N, 2F/N]
-    gate = gate_up[..., : F // N].reshape(R, Q, F)  # [R, Q, N, F/N] -> [R, Q, F], column s*F/N + j
-    up = gate_up[..., F // N :].reshape(R, Q, F)
-    return jnp.dot(jax.nn.silu(gate) * up, lw.w_down)  # [R, Q, D]
+    """SwiGLU MLP over [R, Q, D] with `w_gate_up` in its per-shard [gate | up] layout (the
+    math lives in models/moe.py, whose shared experts are such MLPs too)."""
+    return swiglu_mlp(h, lw.w_gate_up, lw.w_down, lw.gate_up_shards)  # [R, Q, D]
 
 
 def mlp(h: jax.Array, lw: LayerParams, cfg: ModelConfig, expert_matmul=None) -> jax.Array:
-    """The layer's MLP over [R, Q, D]: routed experts in a MoE layer (with the backend's
-    `expert_matmul` kernel where it has one), else one SwiGLU."""
+    """The layer's MLP over [R, Q, D]: routed experts (and a shared expert where the layer
+    has one) in a MoE layer, with the backend's `expert_matmul` kernel where it has one;
+    else one SwiGLU."""
     if lw.w_router is not None:
         return moe_mlp(h, lw, top_k=cfg.experts_per_token, normalize=cfg.norm_topk_prob, expert_matmul=expert_matmul)
     return gated_mlp(h, lw)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 # One tiny config per supported family, each exercising that family's particular paths.
 FAMILIES = {
     # qk-norm, explicit head_dim != hidden / heads, untied.
@@ -50,6 +52,15 @@ FAMILIES = {
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
+    # Qwen2's attention (qkv bias, transformers' default), 6 experts of width 40, 2 per token
+    # (unnormalized, the default), and a shared expert of width 72 behind its sigmoid gate.
+    # `intermediate_size` is that of dense layers, which this model has none of.
+    "qwen2_moe": dict(
+        vocab_size=152, hidden_size=64, intermediate_size=88, moe_intermediate_size=40,
+        shared_expert_intermediate_size=72, num_experts=6, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
 }
 
 
@@ -58,7 +69,8 @@ def tiny_hf_config(family: str, **overrides):
 
     cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
            "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[family]
+           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
+           "qwen2_moe": transformers.Qwen2MoeConfig}[family]
     kwargs = {**FAMILIES[family], **overrides}
     return cls(**kwargs)
 
@@ -93,7 +105,7 @@ def peaked_init_(model, seed: int = 0) -> None:
                 p.copy_(0.1 * noise)
             elif "embed_tokens" in name or name == "lm_head.weight":
                 p.copy_(noise)
-            else:  # nn.Linear weight [out, in], or experts' [E, out, in] (a MoE router's [E, in])
+            else:  # nn.Linear [out, in] (a router's [E, in], a shared expert's gate [1, in]), experts' [E, out, in]
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
@@ -131,7 +143,7 @@ def load_hf_model(path: str):
     return model.eval()
 
 
-def hf_logits(model, token_ids) -> "np.ndarray":  # noqa: F821
+def hf_logits(model, token_ids) -> np.ndarray:
     """Float32 logits [T, V] of one sequence."""
     import torch
 

@@ -18,7 +18,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.loader import CheckpointError, default_model_path, load_params
 from jaxoverlap.models.params import ModelParams
 
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 def _state_dict(path: str) -> dict[str, np.ndarray]:
@@ -61,6 +61,12 @@ def _expected(sd: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarr
             exp[f"layers.{i}.w_gate_up"] = np.concatenate(
                 [lay(i, "mlp.gate_proj.weight").T, lay(i, "mlp.up_proj.weight").T], axis=1)
             exp[f"layers.{i}.w_down"] = lay(i, "mlp.down_proj.weight").T
+        if cfg.shared_expert_intermediate_size:  # [D, 2Fs], [Fs, D], [D, 1]
+            shared = lambda i, n: lay(i, f"mlp.shared_expert.{n}.weight")  # noqa: E731
+            exp[f"layers.{i}.w_shared_gate_up"] = np.concatenate(
+                [shared(i, "gate_proj").T, shared(i, "up_proj").T], axis=1)
+            exp[f"layers.{i}.w_shared_down"] = shared(i, "down_proj").T
+            exp[f"layers.{i}.w_shared_gate"] = lay(i, "mlp.shared_expert_gate.weight").T
     if not cfg.tie_word_embeddings:
         exp["lm_head"] = sd["lm_head.weight"].T
     if cfg.qk_norm:
@@ -101,7 +107,8 @@ def test_single_file_float32(hf_checkpoint, family):
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
     # Family flags select the optional leaves.
     assert (params.q_norm is not None) == (family in ("qwen3", "qwen3_moe"))
-    assert (params.bqkv is not None) == (family == "qwen2")
+    assert (params.bqkv is not None) == (family in ("qwen2", "qwen2_moe"))
+    assert (params.layers[0].w_shared_gate is not None) == (family == "qwen2_moe")
     assert (params.lm_head is None) == (family == "qwen2")  # the qwen2 fixture is tied
 
 
@@ -160,7 +167,9 @@ def test_untied_config_without_lm_head_is_an_error(hf_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("family,name", [("qwen3", "model.layers.1.mlp.up_proj.weight"),
-                                         ("qwen3_moe", "model.layers.0.mlp.experts.7.down_proj.weight")])
+                                         ("qwen3_moe", "model.layers.0.mlp.experts.7.down_proj.weight"),
+                                         ("qwen2_moe", "model.layers.1.mlp.shared_expert.up_proj.weight"),
+                                         ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight")])
 def test_missing_tensor_is_an_error(hf_checkpoint, tmp_path, family, name):
     from safetensors.numpy import save_file
 

@@ -19,7 +19,7 @@ from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.loader import default_model_path, load_params
 from jaxoverlap.models.params import ModelParams
 
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "mixtral", "qwen2_moe"]
 REL_TOL = 1e-4
 
 
@@ -90,7 +90,8 @@ def _oracle_swiglu(h, w_gate_up, w_down):
 
 
 def _oracle_moe(h, lw, cfg: ModelConfig):
-    """Token by token: softmax over the router's logits, the top k, their SwiGLU outputs summed."""
+    """Token by token: softmax over the router's logits, the top k, their SwiGLU outputs
+    summed; plus the shared expert's SwiGLU output times the sigmoid of its gate, if any."""
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
     logits = h @ f64(lw.w_router)  # [T, E]
     probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -101,6 +102,9 @@ def _oracle_moe(h, lw, cfg: ModelConfig):
         weights = probs[t, top] / (probs[t, top].sum() if cfg.norm_topk_prob else 1.0)
         for e, w in zip(top, weights):
             out[t] += w * _oracle_swiglu(h[t], np.asarray(lw.w_gate_up[e]), np.asarray(lw.w_down[e]))
+    if lw.w_shared_gate_up is not None:
+        gate = 1 / (1 + np.exp(-(h @ f64(lw.w_shared_gate))))  # [T, 1]
+        out += gate * _oracle_swiglu(h, lw.w_shared_gate_up, lw.w_shared_down)
     return out
 
 
@@ -129,6 +133,29 @@ def test_logits_match_transformers(hf_checkpoint, family, forward):
     assert got.shape == ref.shape == (len(ids), cfg.vocab_size)
     err = _rel_err(np.asarray(got, np.float64), ref.astype(np.float64))
     assert err <= REL_TOL, f"{family}/{forward}: relative error {err:.2e}"
+
+
+def test_qwen2_moe_shared_expert_and_its_gate_matter(hf_checkpoint):
+    """The qwen2_moe check above can fail: without the shared expert, or with its gate
+    ignored (a constant 1/2), the logits are far from transformers'."""
+    import dataclasses
+
+    path = hf_checkpoint("qwen2_moe")
+    cfg = ModelConfig.from_path(path)
+    params = load_params(path, cfg, jnp.float32)
+    ids = _tokens(cfg, 24)
+    ref = hf_fixtures.hf_logits(hf_fixtures.load_hf_model(path), ids).astype(np.float64)
+    assert _rel_err(_engine_logits(params, cfg, ids).astype(np.float64), ref) <= REL_TOL
+    variants = {
+        "no shared expert": lambda lw: dataclasses.replace(lw, w_shared_gate_up=None, w_shared_down=None,
+                                                           w_shared_gate=None),
+        "gate ignored": lambda lw: dataclasses.replace(lw, w_shared_gate=jnp.zeros_like(lw.w_shared_gate)),
+    }
+    for name, change in variants.items():
+        changed = dataclasses.replace(params, layers=tuple(change(lw) for lw in params.layers))
+        for forward in FORWARDS.values():
+            err = _rel_err(np.asarray(forward(changed, cfg, ids), np.float64), ref)
+            assert err > 100 * REL_TOL, f"{name}: relative error {err:.2e}"
 
 
 def test_default_model_matches_transformers():
