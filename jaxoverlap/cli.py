@@ -8,10 +8,26 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 
 from jaxoverlap.config import EngineConfig
+
+
+# JAX's GPU allocator takes 75% of the card unless told otherwise: a serving engine wants
+# most of it (vLLM's default share is 0.9), e.g. the 57 GiB of Qwen3-30B-A3B's weights do not
+# load on an 80 GB card at 0.75 (measured, RESULTS.md 2026-12-07 twelfth session).
+DEVICE_MEMORY_FRACTION = 0.9
+
+
+def claim_device_memory(fraction: float, environ=os.environ) -> None:
+    """Ask JAX's allocator for `fraction` of each GPU, unless XLA_PYTHON_CLIENT_MEM_FRACTION
+    is set already. Before the backend starts (it reads the variable once): the commands call
+    this before building an engine."""
+    if not 0.0 < fraction <= 1.0:
+        raise SystemExit(f"--device-memory-fraction must be in (0, 1], got {fraction}")
+    environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(fraction))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "at least --max-prefill-requests: 64 for 2048)")
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.85)
+    g.add_argument("--device-memory-fraction", type=float, default=DEVICE_MEMORY_FRACTION,
+                   help="share of each GPU's memory that JAX's allocator takes, which the weights, the KV cache "
+                        "and the programs' temporaries share (XLA_PYTHON_CLIENT_MEM_FRACTION, which wins where "
+                        "set; JAX's own default is 0.75)")
     g.add_argument("--disable-overlap", action="store_true", help="use the normal (non-overlap) loop")
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -335,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             p.set_defaults(func=cli_commands.run_bench)
 
     args = parser.parse_args(argv)
+    if getattr(args, "device_memory_fraction", None) is not None:
+        claim_device_memory(args.device_memory_fraction)
     return args.func(args) or 0
 
 

@@ -27,31 +27,31 @@ from jax.experimental import pallas as pl
 
 from ._compat import triton_params
 
-# Programs to aim for: about two per SM of an H200 (132 SMs), as the attention kernels.
-TARGET_PROGRAMS = 264
-MIN_BLOCK_N, MAX_BLOCK_N = 64, 256
-BLOCK_K = 64
+MIN_BLOCK_N = 64
 MIN_BLOCK_K = 64
 
 
-def block_n(rows: int, n: int) -> int | None:
-    """The column block for `rows` rows of width n: the largest power of two in
-    [MIN_BLOCK_N, MAX_BLOCK_N] dividing n that still gives TARGET_PROGRAMS programs (or the
-    smallest allowed one), None where none divides n."""
-    choice = None
-    b = MIN_BLOCK_N
-    while b <= MAX_BLOCK_N and n % b == 0:
-        if choice is None or rows * (n // b) >= TARGET_PROGRAMS:
-            choice = b
-        b *= 2
-    return choice
+def tuning(k: int, n: int) -> dict:
+    """The default setting for a [k, n] expert matrix (keyword arguments of `expert_matmul`),
+    from benchmarks/expert_matmul_bench.py on Qwen3-30B-A3B's shapes, 8 and 64 rows, H100
+    (RESULTS.md, 2026-12-07 twelfth session):
+    - columns in blocks of 128 (64 where n does not divide);
+    - a long contraction (k >= 1024: gate_up, [2048, 1536]) split 4 ways, in blocks of 64:
+      four times the programs, which a few rows need to keep enough loads in flight (36 us
+      per 8 rows against 93 us unsplit);
+    - a shorter one (down, [768, 2048]) unsplit in blocks of 256 with three pipeline
+      stages (28 us against 55 us in blocks of 64)."""
+    bn = 128 if n % 128 == 0 else MIN_BLOCK_N
+    if k >= 1024 and (k // MIN_BLOCK_K) % 4 == 0:
+        return dict(bk=MIN_BLOCK_K, bn=bn, splits=4, num_warps=4, num_stages=2)
+    return dict(bk=block_k(k, 256), bn=bn, splits=1, num_warps=4, num_stages=3)
 
 
 def supported(rows: int, k: int, n: int) -> bool:
-    return k % MIN_BLOCK_K == 0 and block_n(rows, n) is not None
+    return k % MIN_BLOCK_K == 0 and n % MIN_BLOCK_N == 0
 
 
-def block_k(k: int, want: int = BLOCK_K) -> int:
+def block_k(k: int, want: int) -> int:
     """The largest power of two <= `want` (and >= MIN_BLOCK_K) dividing k."""
     b = want
     while b > MIN_BLOCK_K and k % b:
@@ -80,17 +80,19 @@ def _kernel(experts_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, ste
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages", "bk", "bn", "splits"))
 def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool = False,
-                  num_warps: int = 4, num_stages: int = 2, bk: int = BLOCK_K, bn: int | None = None,
-                  splits: int = 1) -> jax.Array:
+                  num_warps: int | None = None, num_stages: int | None = None, bk: int | None = None,
+                  bn: int | None = None, splits: int | None = None) -> jax.Array:
     """x [A, K], w [E, K, N], experts [A] int -> [A, N] in x's dtype, row a = x[a] @ w[experts[a]].
     `bk`: the contraction block wanted (the largest power of two up to it dividing K);
-    `bn`: the column block (default `block_n`); `splits`: programs that share one output
-    block's contraction (more programs in flight for few rows), their float32 partial sums
-    added after the kernel (K / bk must divide by it)."""
+    `bn`: the column block; `splits`: programs that share one output block's contraction
+    (more programs in flight for few rows), their float32 partial sums added after the
+    kernel (K / bk must divide by it). Each left None takes `tuning`'s value."""
     A, K = x.shape
     N = w.shape[2]
-    bn = bn or block_n(A, N)
-    if K % MIN_BLOCK_K or bn is None or N % bn:
+    given = dict(bk=bk, bn=bn, splits=splits, num_warps=num_warps, num_stages=num_stages)
+    t = {**tuning(K, N), **{name: v for name, v in given.items() if v is not None}}
+    bk, bn, splits, num_warps, num_stages = t["bk"], t["bn"], t["splits"], t["num_warps"], t["num_stages"]
+    if K % MIN_BLOCK_K or N % bn:
         raise ValueError(f"expert_matmul needs K % {MIN_BLOCK_K} == 0 and N divisible by {MIN_BLOCK_N}; "
                          f"got K={K}, N={N}")
     bk = block_k(K, bk)
