@@ -138,8 +138,13 @@ def stack_layers(params: ModelParams, *, group_size: int | None = None, delete_s
     same forward time (H200, benchmarks/stack_compile_probe.py; RESULTS.md).
 
     With `delete_source` (weights the engine loaded itself), each kind's per-layer arrays
-    are deleted as soon as its stack exists, so the memory peak is the weights plus one kind,
-    not twice the weights. Under tensor parallelism the engine keeps per-layer arrays."""
+    are deleted as soon as its stack exists, so the memory peak is the weights plus one
+    group's stacks, not twice the weights. Group by group, each group's largest kind first:
+    the layers were loaded one after another, so one group's arrays sit together in device
+    memory and, deleted, leave one free block that the next group's stacks fit. Kind by kind
+    over all groups left holes of one layer's array between live ones: Qwen3-30B-A3B (57 GiB)
+    on an 80 GB H100 found no free 3 GiB block for a group's experts (RESULTS.md, 2026-12-07
+    twelfth session). Under tensor parallelism the engine keeps per-layer arrays."""
     if not isinstance(params.layers, tuple) or _is_grouped(params.layers):
         return params  # already stacked
     layers = params.layers
@@ -150,8 +155,9 @@ def stack_layers(params: ModelParams, *, group_size: int | None = None, delete_s
     if G < 1:
         raise ValueError(f"group_size must be at least 1, not {G}")
     groups = [dict() for _ in range(0, len(layers), G)]
-    for name in matrices(first):
-        for g, start in enumerate(range(0, len(layers), G)):
+    names = sorted(matrices(first), key=lambda name: -getattr(first, name).size)  # largest first
+    for g, start in enumerate(range(0, len(layers), G)):
+        for name in names:
             parts = [getattr(l, name) for l in layers[start:start + G]]
             groups[g][name] = jnp.stack(parts)  # G x [in, out] -> [G, in, out]
             if delete_source:

@@ -22,6 +22,14 @@ from jaxoverlap.sampling_params import SamplingParams
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+    """float32 matmuls in float32 on a GPU too (TF32 by default there, about 1e-3 off: the
+    oracle checks allow 2e-4)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def moe_config(**overrides):
     base = dict(model_type="qwen3_moe", intermediate_size=32, num_experts=8, experts_per_token=2,
                 norm_topk_prob=True, qk_norm=True)
