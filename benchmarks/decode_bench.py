@@ -151,11 +151,14 @@ def main():
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.runner.params))
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
     default_params = engine.runner.params
-    per_layer = unstack_layers(default_params)
-    layouts = {"stacked": lambda: stack_layers(per_layer), "per_layer": lambda: per_layer,
-               "group4": lambda: stack_layers(per_layer, group_size=4),
-               "group12": lambda: stack_layers(per_layer, group_size=12)}
-    layouts = {k: make() for k, make in layouts.items() if k in args.variants}  # the copies a variant needs
+    # A layout variant needs a second copy of the weights (made only when one is asked for:
+    # a MoE model's second copy does not fit beside the first on an 80 GB card).
+    layout_variants = {"stacked": None, "per_layer": 1, "group4": 4, "group12": 12}
+    layouts = {}
+    if any(v in layout_variants for v in args.variants):
+        per_layer = unstack_layers(default_params)
+        layouts = {k: (per_layer if g == 1 else stack_layers(per_layer, group_size=g))
+                   for k, g in layout_variants.items() if k in args.variants}
     print(f"weight leaves {len(jax.tree.leaves(default_params))} (layers per stack: "
           f"{layers_per_stack(default_params)})", flush=True)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
