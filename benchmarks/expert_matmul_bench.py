@@ -67,7 +67,9 @@ def main():
             default = tuning(K, N)
             default = (default["bk"], default["bn"], default["splits"], default["num_warps"], default["num_stages"])
             settings = list(itertools.product(args.bk, args.bn, args.splits, args.warps, args.stages))
-            settings = [default] + [x for x in settings if x != default]  # the kernel's default first
+            # The kernel's default first and again last: the two tell how far the card's pace
+            # drifted over the sweep (the first setting of a case read slow, 2026-12-07).
+            settings = [default] + [x for x in settings if x != default] + [default]
             for bk, bn, splits, warps, stages in settings:
                 if time.perf_counter() - t_start > args.budget_s:
                     break
@@ -87,6 +89,8 @@ def main():
                     continue
                 reference = out if reference is None else reference
                 err = float(np.abs(out - reference).max() / (np.abs(reference).max() + 1e-9))
+                for _ in range(3):  # untimed: the first timed setting of a case read slow on the H100
+                    jax.block_until_ready(fn(x, ws, experts))
                 times = []
                 for _ in range(args.iters):
                     t0 = time.perf_counter()
@@ -107,10 +111,11 @@ def main():
         if key not in best or r["ms"] < best[key]["ms"]:
             best[key] = r
         if r["default"]:
-            default_ms[key] = r["ms"]
+            default_ms.setdefault(key, []).append(r["ms"])
     for key, r in best.items():
-        r["default_ms"] = default_ms.get(key, float("nan"))
-    print_table(list(best.values()), cols + ["default_ms"])
+        times = default_ms.get(key, [float("nan")])
+        r["default_ms_first"], r["default_ms_last"] = times[0], times[-1]
+    print_table(list(best.values()), cols + ["default_ms_first", "default_ms_last"])
     worst_err = max((r["rel_err_vs_first"] for r in results), default=0.0)
     print(f"largest difference between settings (relative): {worst_err:.2e}")
     write_results(args.out, args, results, copy_bandwidth_gbs=bw, fastest=list(best.values()))

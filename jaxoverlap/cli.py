@@ -16,8 +16,9 @@ from jaxoverlap.config import EngineConfig
 
 
 # JAX's GPU allocator takes 75% of the card unless told otherwise: a serving engine wants
-# most of it (vLLM's default share is 0.9), e.g. the 57 GiB of Qwen3-30B-A3B's weights do not
-# load on an 80 GB card at 0.75 (measured, RESULTS.md 2026-12-07 twelfth session).
+# most of it (vLLM's default share is 0.9): on an 80 GB card 0.75 leaves 59.7 GiB, less than
+# Qwen3-30B-A3B's 57 GiB of weights plus a prefill chunk's 2.4-4.5 GB of MoE temporaries,
+# before any KV cache (it loaded and stacked at 0.9 on an H100: RESULTS.md, 2026-12-07).
 DEVICE_MEMORY_FRACTION = 0.9
 
 

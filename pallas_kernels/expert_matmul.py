@@ -32,15 +32,15 @@ MIN_BLOCK_K = 64
 
 
 def tuning(k: int, n: int) -> dict:
-    """The default setting for a [k, n] expert matrix (keyword arguments of `expert_matmul`),
-    from benchmarks/expert_matmul_bench.py on Qwen3-30B-A3B's shapes, 8 and 64 rows, H100
-    (RESULTS.md, 2026-12-07 twelfth session):
+    """The default setting for a [k, n] expert matrix (keyword arguments of `expert_matmul`):
+    among the fastest of benchmarks/expert_matmul_bench.py on Qwen3-30B-A3B's shapes at 8
+    and 64 rows on an H100 (RESULTS.md, 2026-12-07 twelfth session):
     - columns in blocks of 128 (64 where n does not divide);
     - a long contraction (k >= 1024: gate_up, [2048, 1536]) split 4 ways, in blocks of 64:
-      four times the programs, which a few rows need to keep enough loads in flight (36 us
-      per 8 rows against 93 us unsplit);
-    - a shorter one (down, [768, 2048]) unsplit in blocks of 256 with three pipeline
-      stages (28 us against 55 us in blocks of 64)."""
+      four times the programs, which a few rows need to keep enough loads in flight;
+    - a shorter one (down, [768, 2048]) unsplit, in blocks of 256 with three pipeline stages.
+    That sweep's first setting of each case read slow, so how much this gains over the first
+    default (blocks of 64, unsplit) is not settled; a sweep with warm-up calls is to tell."""
     bn = 128 if n % 128 == 0 else MIN_BLOCK_N
     if k >= 1024 and (k // MIN_BLOCK_K) % 4 == 0:
         return dict(bk=MIN_BLOCK_K, bn=bn, splits=4, num_warps=4, num_stages=2)
