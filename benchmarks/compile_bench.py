@@ -1,5 +1,6 @@
 """Cold compile time of every decode program for Qwen3-8B shapes (issue 4: <= 60 s), and
-the restart time with JAX's persistent compilation cache.
+the restart time with JAX's persistent compilation cache. `--model qwen3-30b-a3b` compiles
+the mixture-of-experts model's programs instead.
 
     python benchmarks/compile_bench.py --threads 16 --out compile.json
     python benchmarks/compile_bench.py --server-set --threads 8 --phases cold   # what `serve --precompile all` compiles
@@ -28,7 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN3_8B, TINY, git_commit, ensure_importable, model_dir, print_table  # noqa: E402
+from common import MODELS, git_commit, ensure_importable, model_dir, print_table  # noqa: E402
 
 
 
@@ -42,7 +43,7 @@ def child(args) -> dict:
     t = time.perf_counter()
     spec = {} if args.algo == "plain" else dict(speculative_algorithm=args.algo)
     engine = Engine(EngineConfig(
-        model=model_dir(TINY if args.tiny else QWEN3_8B), load_format="dummy",
+        model=model_dir(MODELS[args.model][1 if args.tiny else 0]), load_format="dummy",
         dtype="float32" if args.tiny else "bfloat16", max_running_requests=args.max_running_requests,
         max_context_len=args.max_context_len, kv_cache_tokens=args.max_running_requests * 512,
         chunked_prefill_size=args.chunked_prefill_size,
@@ -68,6 +69,8 @@ def child(args) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--algo", default="plain", choices=("plain", "eagle", "ngram", "ngram_device"))
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b",
+                    help="qwen3-30b-a3b: the mixture-of-experts model (its prefill and decode plans differ)")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-context-len", type=int, default=4096)

@@ -276,3 +276,11 @@ def test_expert_matmul_bench(tmp_path):
     assert got == {("gate_up", 64, 1), ("gate_up", 64, 2), ("gate_up", 128, 1), ("down", 64, 1)}, got
     assert all(r["rel_err_vs_first"] < 1e-5 for r in res["rows"])
     assert {(f["rows"], f["shape"]) for f in res["fastest"]} == {(4, "gate_up"), (4, "down")}
+
+
+@pytest.mark.timeout(300)
+def test_compile_bench_moe(tmp_path):
+    res = run_script(tmp_path, "compile_bench", "--tiny", "--model", "qwen3-30b-a3b", "--max-context-len", "128",
+                     "--max-running-requests", "4", "--phases", "cold", "--threads", "2")
+    assert not res["errors"] and [r["phase"] for r in res["rows"]] == ["cold"]
+    assert res["rows"][0]["programs"] == len(res["rows"][0]["per_program"]) > 0
