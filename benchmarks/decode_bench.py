@@ -12,6 +12,7 @@ Prints a table and writes JSON. Meant for the GPU; runs on CPU with --tiny.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -188,7 +189,11 @@ def main():
             if variant == "no_expert_kernel":  # the same kernels but the expert matmul (models/moe.py)
                 from jaxoverlap.pallas_kernels.attention import PallasAttention
 
-                engine.runner.attention = PallasAttention(interpret=jax.default_backend() != "gpu")
+                if not isinstance(default_attention, PallasAttention):
+                    raise SystemExit(f"no_expert_kernel needs the Pallas backend on one device, not "
+                                     f"{default_attention!r}")
+                # A copy: its own compilations, the engine's other kernel choices kept.
+                engine.runner.attention = copy.copy(default_attention)
                 engine.runner.attention.expert_matmul = None
             tc = time.perf_counter()
             run_workload(engine, B, args.prompt_len, 4, seed=99)  # compile this batch's (and variant's) programs

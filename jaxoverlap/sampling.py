@@ -21,8 +21,8 @@ def sorted_filter(scaled, top_k, top_p, min_p):
     The rules apply in vLLM's order (as HF's warpers do, each on what the one before left):
     min-p drops tokens less likely than min_p times the most likely token of the full
     distribution; top-k keeps the k most likely of the rest, and any tied with the k-th (as
-vLLM and HF compare against the k-th value); top-p keeps the smallest prefix
-    of what is left whose mass, renormalized over it, reaches top_p (1 = off). The first
+    vLLM and HF compare against the k-th value); top-p keeps the smallest prefix of what is
+    left whose mass, renormalized over it, reaches top_p (1 = off). The first
     token is always kept. One sort serves all three: min-p and top-k each keep a prefix of
     the sorted order. Shared by the sampler and the speculative verifier
     (speculative/verify.filtered_probs), so both draw from the same distribution."""

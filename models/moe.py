@@ -87,17 +87,16 @@ def plan(tokens: int, experts: int, top_k: int, kernel: bool = False) -> tuple[s
     return min(options, key=lambda o: _cost(tokens, experts, top_k, *o))
 
 
-def activation_bytes(tokens: int, experts: int, top_k: int, hidden: int, width: int, itemsize: int,
-                     kernel: bool = False) -> int:
+def activation_bytes(tokens: int, experts: int, top_k: int, hidden: int, width: int, itemsize: int) -> int:
     """About the bytes of the MoE MLP's temporaries in one layer of a `tokens`-token program
     under its plan: the [E, T, ..] intermediates of "dense", the gathered expert weights and
     rows of "grouped". For memory sizing (the engine keeps this free of the KV cache): for
     prefill chunks it is several GB on Qwen3-30B-A3B, more than the dense models' headroom.
     A shared expert's temporaries ([T, 2Fs], [T, Fs]) are those of a dense MLP of its width,
     which the headroom kept for dense models covers (as it does their MLP's): not counted."""
-    kind, block = plan(tokens, experts, top_k, kernel)
-    if kind == "pallas":  # rows [A, D], gate_up [A, 2F], act [A, F], out [A, D]
-        return tokens * top_k * (2 * hidden + 3 * width) * itemsize
+    # Without the kernel's plan, whose temporaries (a few [T*k, D] rows) are the smallest:
+    # the estimate then holds whichever backend runs the program.
+    kind, block = plan(tokens, experts, top_k)
     if kind == "dense":
         # gate_up [E, T, 2F] and act [E, T, F] in the model dtype; x broadcast [E, T, D]; out [E, T, D] f32.
         return experts * tokens * (3 * width * itemsize + hidden * (itemsize + 4))
@@ -207,10 +206,10 @@ def _sliced(x, weights, experts, w_gate_up, w_down, shards):
     return jnp.stack(out)  # T x [D] -> [T, D]
 
 
-def _default_expert_matmul(x, w, experts):
+def _default_expert_matmul(x, w, experts, out_dtype=None):
     from jaxoverlap.pallas_kernels.expert_matmul import expert_matmul
 
-    return expert_matmul(x, w, experts, interpret=jax.default_backend() != "gpu")
+    return expert_matmul(x, w, experts, interpret=jax.default_backend() != "gpu", out_dtype=out_dtype)
 
 
 def kernel_fits(expert_matmul, tokens: int, top_k: int, w_gate_up: jax.Array, w_down: jax.Array) -> bool:
@@ -236,8 +235,9 @@ def _pallas(x, weights, experts, w_gate_up, w_down, shards, expert_matmul):
     rows = jnp.repeat(x, k, axis=0)  # [A, D]: row a is token a // k
     act = swiglu(expert_matmul(rows, w_gate_up, flat), shards)  # [A, F]
     act = act * weights.reshape(A)[:, None]  # [T, k] -> [A]
-    y = expert_matmul(act, w_down, flat)  # [A, D]
-    return y.astype(jnp.float32).reshape(T, k, D).sum(axis=1)  # [A, D] -> [T, k, D] -> [T, D]
+    # float32 out, summed over the k experts before one rounding, as the XLA plans do.
+    y = expert_matmul(act, w_down, flat, out_dtype=jnp.float32)  # [A, D]
+    return y.reshape(T, k, D).sum(axis=1)  # [A, D] -> [T, k, D] -> [T, D]
 
 
 def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None,

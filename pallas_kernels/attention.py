@@ -82,9 +82,10 @@ class PallasAttention:
         `add_norm.supported(D)` first."""
         return add_norm.add_rms_norm(x, delta, weights, row=row, eps=eps, interpret=self.interpret)
 
-    def expert_matmul(self, x, w, experts):
-        """x [A, K], w [E, K, N], experts [A] -> [A, N]; models/moe.py checks `supported` first."""
-        return expert_matmul.expert_matmul(x, w, experts, interpret=self.interpret)
+    def expert_matmul(self, x, w, experts, out_dtype=None):
+        """x [A, K], w [E, K, N], experts [A] -> [A, N] (in x's dtype unless `out_dtype`);
+        models/moe.py checks `supported` first."""
+        return expert_matmul.expert_matmul(x, w, experts, interpret=self.interpret, out_dtype=out_dtype)
 
     def __repr__(self):
         return f"PallasAttention(interpret={self.interpret}, fuse_decode={self.fused_decode is not None})"

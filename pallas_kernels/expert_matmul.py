@@ -78,11 +78,13 @@ def _kernel(experts_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, ste
     o_ref[pl.program_id(2), a, cols] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages", "bk", "bn", "splits"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "num_stages", "bk", "bn", "splits",
+                                             "out_dtype"))
 def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool = False,
                   num_warps: int | None = None, num_stages: int | None = None, bk: int | None = None,
-                  bn: int | None = None, splits: int | None = None) -> jax.Array:
-    """x [A, K], w [E, K, N], experts [A] int -> [A, N] in x's dtype, row a = x[a] @ w[experts[a]].
+                  bn: int | None = None, splits: int | None = None, out_dtype=None) -> jax.Array:
+    """x [A, K], w [E, K, N], experts [A] int -> [A, N] in `out_dtype` (default x's dtype),
+    row a = x[a] @ w[experts[a]].
     `bk`: the contraction block wanted (the largest power of two up to it dividing K);
     `bn`: the column block; `splits`: programs that share one output block's contraction
     (more programs in flight for few rows), their float32 partial sums added after the
@@ -93,17 +95,18 @@ def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: 
     t = {**tuning(K, N), **{name: v for name, v in given.items() if v is not None}}
     bk, bn, splits, num_warps, num_stages = t["bk"], t["bn"], t["splits"], t["num_warps"], t["num_stages"]
     if K % MIN_BLOCK_K or N % bn:
-        raise ValueError(f"expert_matmul needs K % {MIN_BLOCK_K} == 0 and N divisible by {MIN_BLOCK_N}; "
-                         f"got K={K}, N={N}")
+        raise ValueError(f"expert_matmul needs K % {MIN_BLOCK_K} == 0 and N divisible by the column block "
+                         f"{bn}; got K={K}, N={N}")
     bk = block_k(K, bk)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     if (K // bk) % splits:
         raise ValueError(f"expert_matmul: {K // bk} contraction blocks do not split {splits} ways")
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=bk, block_n=bn, steps=K // bk // splits),
         grid=(A, N // bn, splits),
-        out_shape=jax.ShapeDtypeStruct((splits, A, N), x.dtype if splits == 1 else jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, A, N), out_dtype if splits == 1 else jnp.float32),
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
         name=f"expert_matmul_bk{bk}_bn{bn}_s{splits}",
     )(experts.astype(jnp.int32), x, w.astype(x.dtype))
-    return out[0] if splits == 1 else out.sum(axis=0).astype(x.dtype)  # [S, A, N] -> [A, N]
+    return out[0] if splits == 1 else out.sum(axis=0).astype(out_dtype)  # [S, A, N] -> [A, N]

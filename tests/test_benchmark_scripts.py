@@ -42,11 +42,12 @@ def test_decode_bench(tmp_path):
 @pytest.mark.timeout(400)
 def test_decode_bench_moe(tmp_path):
     res = run_script(tmp_path, "decode_bench", "--tiny", "--model", "qwen3-30b-a3b", "--batches", "1", "4",
-                     "--new-tokens", "8", "--device-iters", "2")
-    rows = res["rows"]
+                     "--new-tokens", "8", "--device-iters", "2", "--prompt-len", "16", "--attention-backend", "pallas",
+                     "--variants", "default", "no_expert_kernel")
+    rows = [r for r in res["rows"] if r["variant"] == "default"]
     assert [r["batch"] for r in rows] == [1, 4]
-    for r in rows:
-        assert r["greedy_identical"], r
+    for r in res["rows"]:  # with and without the expert-matmul kernel: the same greedy tokens (float32)
+        assert r["greedy_identical"] and r["tokens_as_first_variant"] == 1, r
     # A batch of 1 reaches 4 of the 16 experts, a batch of 4 about 11: a floor between the
     # non-expert weights' and all weights'.
     assert rows[0]["floor_ms"] < rows[1]["floor_ms"] < rows[1]["floor_all_ms"]

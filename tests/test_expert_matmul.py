@@ -20,6 +20,19 @@ def test_every_tuning_computes_the_same_product(tuning):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-4)
 
 
+def test_out_dtype():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(3, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(2, 256, 128)), jnp.bfloat16)
+    experts = jnp.asarray([1, 0, 1], jnp.int32)
+    want = np.einsum("ak,akn->an", np.asarray(x, np.float32), np.asarray(w, np.float32)[np.asarray(experts)])
+    for splits in (1, 4):
+        got = expert_matmul(x, w, experts, interpret=True, bk=64, splits=splits, out_dtype=jnp.float32)
+        assert got.dtype == jnp.float32  # the float32 sum, not rounded to bf16
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-3)
+        assert expert_matmul(x, w, experts, interpret=True, splits=splits, bk=64).dtype == jnp.bfloat16
+
+
 def test_tunings_the_shapes_cannot_take():
     assert block_k(768, 512) == 256 and block_k(2048, 512) == 512 and block_k(192, 256) == 64
     x, w, experts = jnp.zeros((2, 192)), jnp.zeros((2, 192, 128)), jnp.zeros((2,), jnp.int32)

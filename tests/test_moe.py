@@ -211,9 +211,9 @@ def test_engine_uses_the_expert_matmul_kernel_for_small_steps(monkeypatch):
     traced = []
     kernel = PallasAttention.expert_matmul
 
-    def spy(self, x, w, experts):
+    def spy(self, x, w, experts, out_dtype=None):
         traced.append(x.shape[0])  # assignments
-        return kernel(self, x, w, experts)
+        return kernel(self, x, w, experts, out_dtype)
 
     monkeypatch.setattr(PallasAttention, "expert_matmul", spy)
     rng = np.random.default_rng(5)
