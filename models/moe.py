@@ -26,8 +26,9 @@ needs static shapes and the cheapest way differs between a decode step and a pre
   (pallas_kernels/expert_matmul.py), which reads each chosen expert's block of weights in
   place instead of gathering a copy. Where the attention backend has the kernel (the Pallas
   backend on one device) and the T*k assignments are at most E: it then reads at most as
-  many expert matrices as "dense" and no copies (measured 4.1x / 1.9x faster than the XLA
-  plans at 1 / 8 tokens of Qwen3-30B-A3B on an H100, benchmarks/RESULTS.md).
+  many expert matrices as "dense" and no copies (measured 4.6x / 2.0x / 1.26x faster than
+  the XLA plans at 1 / 8 / 16 tokens of Qwen3-30B-A3B on an H100; at 32 tokens, past E
+  assignments, 6% slower than "dense": benchmarks/RESULTS.md).
 
 `plan` picks by a cost model (bytes moved and matmul work); "sliced" is an alternative for a
 few tokens that benchmarks/moe_plan_bench.py times, not chosen by `plan`.
