@@ -111,7 +111,7 @@ def main():
             if reference is None:
                 reference = out
             err = float(np.abs(out - reference).max() / (np.abs(reference).max() + 1e-9))
-            fits = moe.kernel_fits(kernel, T, k, layers[0].w_gate_up, layers[0].w_down)
+            fits = moe.kernel_fits(kernel, layers[0].w_gate_up, layers[0].w_down)
             chosen = moe.plan(T, E, k, fits) if plan is None else plan
             rows.append({"tokens": T, "plan": name, "resolved": f"{chosen[0]}{chosen[1] or ''}",
                          "experts_reached": float(np.mean(reached)), "ms_per_layer": ms, "floor_ms": floor_ms,

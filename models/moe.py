@@ -213,7 +213,7 @@ def _default_expert_matmul(x, w, experts, out_dtype=None):
     return expert_matmul(x, w, experts, interpret=jax.default_backend() != "gpu", out_dtype=out_dtype)
 
 
-def kernel_fits(expert_matmul, tokens: int, top_k: int, w_gate_up: jax.Array, w_down: jax.Array) -> bool:
+def kernel_fits(expert_matmul, w_gate_up: jax.Array, w_down: jax.Array) -> bool:
     """Whether the "pallas" plan can run: a kernel given (the Pallas attention backend on one
     device has it; a Pallas call is not partitioned by XLA, so none under a mesh) and the
     layer's shapes ones it takes."""
@@ -221,9 +221,8 @@ def kernel_fits(expert_matmul, tokens: int, top_k: int, w_gate_up: jax.Array, w_
         return False
     from jaxoverlap.pallas_kernels.expert_matmul import supported
 
-    A = tokens * top_k
     F, D = w_down.shape[1:]  # [E, F, D]
-    return supported(A, D, w_gate_up.shape[-1]) and supported(A, F, D)
+    return supported(D, w_gate_up.shape[-1]) and supported(F, D)
 
 
 def _pallas(x, weights, experts, w_gate_up, w_down, shards, expert_matmul):
@@ -253,7 +252,7 @@ def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None
     R, Q, D = h.shape
     x = h.reshape(R * Q, D)  # [R, Q, D] -> [T, D]
     weights, experts = route(x, lw.w_router, top_k, normalize)
-    kernel = kernel_fits(expert_matmul, R * Q, top_k, lw.w_gate_up, lw.w_down)
+    kernel = kernel_fits(expert_matmul, lw.w_gate_up, lw.w_down)
     kind, block = force_plan or plan(R * Q, lw.w_gate_up.shape[0], top_k, kernel)
     if kind == "dense":
         out = _dense(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)

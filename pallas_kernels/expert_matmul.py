@@ -47,7 +47,8 @@ def tuning(k: int, n: int) -> dict:
     return dict(bk=block_k(k, 256), bn=bn, splits=1, num_warps=4, num_stages=3)
 
 
-def supported(rows: int, k: int, n: int) -> bool:
+def supported(k: int, n: int) -> bool:
+    """Whether a [k, n] expert matrix is a shape the kernel takes (any number of rows)."""
     return k % MIN_BLOCK_K == 0 and n % MIN_BLOCK_N == 0
 
 
