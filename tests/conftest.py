@@ -61,3 +61,11 @@ def _release_compiled_programs():
     gc.unfreeze()
     gc.collect()
     jax.clear_caches()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core, at most 4. Most of the suite is
+    XLA compiling tiny programs on one thread, so workers divide the wall time (2 on CI's 2
+    cores); past 4, each worker's own JAX start and module fixtures eat into the gain, and
+    memory (a worker holds a few GiB) grows."""
+    return max(1, min(os.cpu_count() or 1, 4))

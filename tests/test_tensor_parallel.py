@@ -36,7 +36,7 @@ def test_tp_greedy_matches_single_device():
     for algo in ("None", "ngram_device"):
         ref = out[f"{algo}-1"]
         assert ref["kv_devices"] == 1 and ref["qkv_shards"] == 1
-        for tp in (2, 4):
+        for tp in (2, 4) if algo == "None" else (2,):
             got = out[f"{algo}-{tp}"]
             assert got["kv_devices"] == tp, "the KV cache is not sharded"
             assert "tp" in got["wqkv_spec"], "the weights are not sharded"

@@ -359,14 +359,16 @@ def test_warmup_with_top_logprobs_leaves_nothing_to_compile():
     assert counts[True] == 0, f"{counts[True]} programs compiled after warmup(top_logprobs=True)"
 
 
-@pytest.mark.parametrize("algo, hidden_sizes", [(None, (56, 104)), ("ngram_device", (72, 88)), ("eagle", (40, 120))])
+@pytest.mark.parametrize("algo, hidden_sizes", [(None, (56, 104)), ("ngram_device", (88,)), ("eagle", (120,))])
 def test_warmup_with_structured_leaves_nothing_to_compile(algo, hidden_sizes):
     """warmup(structured=True) (`jaxoverlap serve --precompile-structured`) also compiles the
     forward and sampling programs of decode batches with structured output (with a drafter,
     each speculative step's draft, verify and accept programs), and with prefill=True each
     prefill's variant with allowed tokens: constrained requests among plain ones then
-    compile nothing; without it the same workload compiles them on first use (the check
-    can fail)."""
+    compile nothing. Without it the same workload compiles them on first use, which shows
+    the check can fail; that control runs once (no drafter), for the suite's time: with a
+    drafter, the constrained text (possible only through the allowed-token programs) shows
+    that the workload ran them."""
     from jaxoverlap.models.loader import default_model_path
     from jaxoverlap.models.tokenizer import Tokenizer
 
@@ -381,7 +383,7 @@ def test_warmup_with_structured_leaves_nothing_to_compile(algo, hidden_sizes):
     split = {"spec_split"} if algo else {"forward", "sample"}
     counts = {}
     # Model shapes no other test uses, so that jit's in-process cache holds none of their programs.
-    for hidden, structured in zip(hidden_sizes, (False, True)):
+    for hidden, structured in zip(hidden_sizes, (False, True) if len(hidden_sizes) == 2 else (True,)):
         eng = make_engine(tiny_config(vocab_size=tokenizer.vocab_size, hidden_size=hidden, head_dim=hidden // 4),
                           tokenizer=tokenizer, **opts)
         report = eng.warmup(prefill=True, sampling=(False, True), structured=structured)
@@ -396,7 +398,8 @@ def test_warmup_with_structured_leaves_nothing_to_compile(algo, hidden_sizes):
         assert 4 <= len(text) <= 6 and text.isalpha() and text.islower(), text
         assert len(finals["b"].token_ids) == 6
         counts[structured] = COUNTER.count
-    assert counts[False] > 0, "structured output compiles nothing without its warm-up: the check cannot fail"
+    if False in counts:
+        assert counts[False] > 0, "structured output compiles nothing without its warm-up: the check cannot fail"
     assert counts[True] == 0, f"{counts[True]} programs compiled after warmup(structured=True)"
 
 
