@@ -165,7 +165,7 @@ def main():
             ctx = r.decode_ctx_buckets[0]
             key = r._program_key(B, False, ctx, False, False)
 
-            def call():
+            def call(r=r, base=base, B=B, ctx=ctx, key=key):  # this iteration's values, bound now
                 inputs = steps.DecodeInputs(base.copy(), batch=B)  # numpy, as decode_inputs="every_step"
                 step, a, static = r._decode_program(inputs, None, ctx, False, False)
                 r.state, out = r._call_decode(key, step, a, static)
@@ -194,7 +194,7 @@ def main():
                     rows.append(row)
                     print_table([row], list(row))
         engine.close()
-        del engine, r
+        del engine, r  # the engine's arrays go before the next one's
     cols = ["layers", "batch", "host_work_ms", "mode", "device_step_ms", "period_ms", "period_p90_ms", "work_ms",
             "launch_ms", "handoff_ms", "wait_ms"]
     print_table(rows, cols)
