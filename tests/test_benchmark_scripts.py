@@ -53,6 +53,19 @@ def test_decode_bench_moe(tmp_path):
     assert rows[0]["floor_ms"] < rows[1]["floor_ms"] < rows[1]["floor_all_ms"]
 
 
+def test_program_compile_bench(tmp_path):
+    res = run_script(tmp_path, "program_compile_bench", "--tiny", "--model", "qwen3-30b-a3b", "--batches", "1",
+                     "--variants", "default", "no_expert_kernel", "--prefill", "--chunked-prefill-size", "16",
+                     "--max-context-len", "64")
+    got = [(r["variant"], r["program"]) for r in res["rows"]]
+    # Both variants' decode program, and the prefill programs (at least one) once.
+    assert got[0] == ("default", "decode") and got[-1] == ("no_expert_kernel", "decode"), got
+    assert got.count(("default", "prefill")) >= 1 and ("no_expert_kernel", "prefill") not in got, got
+    assert all(r["seconds"] > 0 for r in res["rows"])
+    assert res["totals"]["default_prefill_s"] == pytest.approx(sum(r["seconds"] for r in res["rows"]
+                                                                   if r["program"] == "prefill"))
+
+
 @pytest.mark.timeout(300)
 def test_moe_plan_bench(tmp_path):
     res = run_script(tmp_path, "moe_plan_bench", "--tiny", "--tokens", "1", "16", "--layers", "2", "--iters", "1",
