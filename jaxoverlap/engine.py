@@ -894,7 +894,8 @@ class Engine:
         }
 
     def warmup(self, batch_sizes=None, ctx_lens=None, *, sampling=(False,), threads: int | None = None,
-               prefill: bool = False, top_logprobs: bool = False, structured: bool = False) -> list[dict]:
+               prefill: bool = False, top_logprobs: bool = False, structured: bool = False,
+               prompt_logprobs: bool = False) -> list[dict]:
         """Compile the decode programs before traffic arrives, by default every batch bucket
         at every context bucket, greedy (pass sampling=(False, True) for both programs), and
         run each once on padding rows, so that a program's first execution (XLA records its
@@ -903,7 +904,7 @@ class Engine:
 
         With `prefill`, every prefill program (each rows x tokens bucket) is compiled too,
         before the runs: then no request compiles anything (but one with prompt_logprobs,
-        offline scoring, whose prefill variant compiles on first use), and no compilation after the
+        unless `prompt_logprobs` below), and no compilation after the
         warm-up makes XLA drop the decode programs' recorded graphs (it drops every
         executable's graphs whenever it loads a new one). With `top_logprobs`, each program's
         variant that returns top logprobs too (twice the programs), which runs while any row
@@ -912,7 +913,10 @@ class Engine:
         sampling (ModelRunner.launch_forward; with a drafter, each speculative step's draft,
         verify and accept programs), and with `prefill` each prefill program's variant with
         allowed tokens; skipped, with a warning, where the engine cannot serve structured
-        output (no tokenizer). Returns the compile (and run) time of each program
+        output (no tokenizer). With `prefill` and `prompt_logprobs`, each prefill program's
+        variant that returns the prompt's logprobs too (SamplingParams.prompt_logprobs:
+        scoring requests; a prefill of a constrained row that asks for them still compiles
+        its program on first use). Returns the compile (and run) time of each program
         (ModelRunner.precompile)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
@@ -925,7 +929,7 @@ class Engine:
                 mask_words = self.grammars.words
         compiled = self.runner.precompile(batch_sizes, ctx_lens, sampling, threads, execute=True, prefill=prefill,
                                           top_logprobs=(False, True) if top_logprobs else (False,),
-                                          mask_words=mask_words)
+                                          mask_words=mask_words, prompt_logprobs=prompt_logprobs)
         self._freeze_gc()  # the programs' own long-lived objects too
         return compiled
 

@@ -635,7 +635,7 @@ class ModelRunner:
     # -- ahead-of-time compilation -----------------------------------------------------------
     def precompile(self, batch_sizes=None, ctx_lens=None, sampling=(False,), threads: int | None = None,
                    execute: bool = False, prefill: bool = False, top_logprobs=(False,),
-                   mask_words: int | None = None) -> list[dict]:
+                   mask_words: int | None = None, prompt_logprobs: bool = False) -> list[dict]:
         """Compile the decode programs (plain or speculative) of these buckets before they
         are needed: by default every batch bucket at every decode context bucket, greedy.
         With `prefill`, also every prefill program: each (rows, tokens) bucket at each
@@ -656,11 +656,14 @@ class ModelRunner:
         these) also compiles the programs of batches with structured output: each decode
         bucket's forward pass (per context bucket) and sampling (per sampling flag and top
         logprobs; with a drafter, its draft, verify and accept programs instead), and with
-        `prefill` each prefill program's variant with allowed tokens.
+        `prefill` each prefill program's variant with allowed tokens. `prompt_logprobs` (with
+        `prefill`) also compiles each prefill program's variant that returns the prompt's
+        logprobs (per top-logprobs variant; not the constrained ones), which a prefill runs
+        while any of its rows asks for them (SamplingParams.prompt_logprobs).
 
         Returns one {program, ..., seconds} per program: decode rows name batch, ctx_len,
         sampling, draft, top_logprobs (and run_seconds when executed); prefill rows name
-        rows, tokens, ctx_len, top_logprobs, constrained; forward rows batch, ctx_len; sample
+        rows, tokens, ctx_len, top_logprobs, constrained, prompt_logprobs; forward rows batch, ctx_len; sample
         rows batch, sampling, top_logprobs; spec_split rows (the three programs of a
         speculative step with structured output, for every sampling flag and top-logprobs
         variant) batch, ctx_len, draft."""
@@ -675,10 +678,13 @@ class ModelRunner:
         jobs = [("decode", B, ctx, bool(s), d, t) for B in batches
                 for ctx in ctxs for s in sampling for d in self.decode_variants(B) for t in tops]
         structured = bool(mask_words)
+        if prompt_logprobs and not prefill:
+            raise ValueError("prompt_logprobs compiles prefill programs: pass prefill=True too")
         if prefill:
-            jobs += [("prefill", R, T, ctx, t, c) for R in self.prefill_row_buckets for T in self.prefill_len_buckets
-                     for ctx in self.prefill_ctx_buckets if self.prefill_shapes.runs(R, T) for t in tops
-                     for c in ((False, True) if structured else (False,))]
+            variants = [(False, False)] + [(True, False)] * structured + [(False, True)] * bool(prompt_logprobs)
+            jobs += [("prefill", R, T, ctx, t, c, scoring) for R in self.prefill_row_buckets
+                     for T in self.prefill_len_buckets for ctx in self.prefill_ctx_buckets
+                     if self.prefill_shapes.runs(R, T) for t in tops for c, scoring in variants]
         later = []  # the sampling programs compile after the forward passes: they take their logits
         if structured and self.spec is not None:  # each job compiles its draft, verify and accept programs
             jobs += [("spec_split", B, ctx, d) for B in batches for ctx in ctxs for d in self.decode_variants(B)]
@@ -700,16 +706,19 @@ class ModelRunner:
             return {"program": "decode", "batch": B, "ctx_len": ctx, "sampling": s, "draft": draft,
                     "top_logprobs": top}
 
-        def compile_prefill(R, T, ctx, top, constrained):
+        def compile_prefill(R, T, ctx, top, constrained, scoring):
             # Numpy, as a prefill launch passes its inputs.
             allowed = {"allowed": np.full((R, mask_words), -1, np.int32)} if constrained else {}
+            if scoring:  # the prompt's next tokens, one per chunk column (_prompt_targets)
+                columns = T - 1 if self.spec is not None else T  # a drafter's column 0 is the token before
+                allowed["targets"] = np.zeros((R, columns), np.int32)
             inp = dataclasses.replace(self._prefill_inputs([], R, T), top_logprobs=top, **allowed)
             res = steps.Reservations.empty(self._prefill_res_capacity(R))
             step, args, static = self._prefill_program(inp, res, ctx)
-            key = self._prefill_key(R, T, ctx, top=top, constrained=constrained)
+            key = self._prefill_key(R, T, ctx, scoring, top, constrained)
             self._prefill_executables[key] = step.lower(*args, **static).compile()
             return {"program": "prefill", "rows": R, "tokens": T, "ctx_len": ctx, "top_logprobs": top,
-                    "constrained": constrained}
+                    "constrained": constrained, "prompt_logprobs": scoring}
 
         def compile_forward(B, ctx):
             key, step, args, static = self._forward_program(empty_inputs(B), ctx)
@@ -871,9 +880,8 @@ class ModelRunner:
         res = self._reservations(batch, self._prefill_res_capacity(R))
         step, args, static = self._prefill_program(inp, res, ctx_len)
         # A program the warm-up compiled runs as that executable (see `_call_decode` for why
-        # not through jit); any other compiles on its first launch, as does the variant that
-        # returns prompt logprobs (never warmed up: offline scoring, not serving latency) and
-        # the one that returns top logprobs unless the warm-up was asked for it.
+        # not through jit); any other compiles on its first launch, as do the variants that
+        # return prompt logprobs or top logprobs unless the warm-up was asked for them.
         scoring, top = inp.targets is not None, inp.top_logprobs
         # A prefill with allowed tokens (structured output) is a program of its own, compiled on first use.
         constrained = inp.allowed is not None

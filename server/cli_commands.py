@@ -81,6 +81,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
               "forward pass and sampling, with a drafter its draft, verify and accept programs; with 'all', each "
               "prefill's variant with allowed tokens), so that "
               "the first request with a structured_output compiles nothing")
+    _add(g, "--precompile-prompt-logprobs", action="store_true",
+         help="with --precompile all: also each prefill program's variant that returns prompt logprobs "
+              "(scoring requests), so that they compile nothing either (a compile on the engine's "
+              "thread stalls every stream)")
     return parser
 
 
@@ -122,14 +126,19 @@ def serve_engine_config(engine_options: dict):
 
 def serve_worker_options(args) -> dict:
     """What the engine's worker does before it serves (EngineWorker / EngineProcess options),
-    from the serve command's --no-warmup, --precompile, --precompile-top-logprobs and
-    --precompile-structured."""
+    from the serve command's --no-warmup, --precompile, --precompile-top-logprobs,
+    --precompile-structured and --precompile-prompt-logprobs (which needs --precompile all:
+    SystemExit otherwise)."""
     precompile = getattr(args, "precompile", "auto")
+    prompt = getattr(args, "precompile_prompt_logprobs", False)
+    if prompt and precompile != "all":
+        sys.exit("error: --precompile-prompt-logprobs compiles prefill programs: it needs --precompile all")
     return dict(warmup=not getattr(args, "no_warmup", False),
                 precompile={"on": True, "all": True, "off": False}.get(precompile, "auto"),
                 precompile_prefill=precompile == "all",
                 precompile_top_logprobs=getattr(args, "precompile_top_logprobs", False),
-                precompile_structured=getattr(args, "precompile_structured", False))
+                precompile_structured=getattr(args, "precompile_structured", False),
+                precompile_prompt_logprobs=prompt)
 
 
 def run_serve(args, engine_options: dict) -> int:

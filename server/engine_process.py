@@ -67,7 +67,8 @@ class EngineProcess(EngineCalls):
     function) in a spawned process and serves it with EngineWorker's methods.
 
     `warmup`, `precompile` ("auto": on a GPU only), `precompile_prefill`,
-    `precompile_sampling`, `precompile_top_logprobs` and `precompile_structured` as in EngineWorker; they run in the
+    `precompile_sampling`, `precompile_top_logprobs`, `precompile_structured` and
+    `precompile_prompt_logprobs` as in EngineWorker; they run in the
     child before `start()` returns.
     `call(fn)` runs a picklable fn(engine) in the child between two steps and returns its
     (picklable) result.
@@ -76,10 +77,11 @@ class EngineProcess(EngineCalls):
     def __init__(self, engine_factory: Callable[[], Any], *, warmup: bool | int = False,
                  precompile: bool | str = False, precompile_prefill: bool = False,
                  precompile_sampling: tuple[bool, ...] = (False, True), precompile_top_logprobs: bool = False,
-                 precompile_structured: bool = False, name: str = "jaxoverlap-engine"):
+                 precompile_structured: bool = False, precompile_prompt_logprobs: bool = False,
+                 name: str = "jaxoverlap-engine"):
         self._factory = engine_factory
         self._options = (warmup, precompile, precompile_prefill, precompile_sampling, precompile_top_logprobs,
-                         precompile_structured)
+                         precompile_structured, precompile_prompt_logprobs)
         self._name = name
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands = None  # parent's end of the command pipe

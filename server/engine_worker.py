@@ -97,7 +97,9 @@ class EngineWorker(EngineCalls):
     (Engine.warmup) before then, for each static sampling flag in `precompile_sampling`
     (default greedy and sampling), and `precompile_prefill` every prefill bucket with them;
     `precompile_top_logprobs` also each program's variant that returns top logprobs, and
-    `precompile_structured` the programs of batches with structured output.
+    `precompile_structured` the programs of batches with structured output, and
+    `precompile_prompt_logprobs` (with `precompile_prefill`) each prefill program's variant
+    that returns prompt logprobs.
     `jaxoverlap serve` runs the engine in a process of its own instead (EngineProcess, same
     methods): on a thread here, the engine's loop shares the GIL with the server.
     """
@@ -105,7 +107,8 @@ class EngineWorker(EngineCalls):
     def __init__(self, engine=None, *, engine_factory: Callable[[], Any] | None = None, warmup: bool = False,
                  precompile: bool = False, precompile_prefill: bool = False,
                  precompile_sampling: tuple[bool, ...] = (False, True), precompile_top_logprobs: bool = False,
-                 precompile_structured: bool = False, name: str = "jaxoverlap-engine"):
+                 precompile_structured: bool = False, precompile_prompt_logprobs: bool = False,
+                 name: str = "jaxoverlap-engine"):
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine and engine_factory")
         self._engine = engine
@@ -116,6 +119,7 @@ class EngineWorker(EngineCalls):
         self._precompile_sampling = precompile_sampling  # Engine.warmup(sampling=...)
         self._precompile_top = precompile_top_logprobs  # Engine.warmup(top_logprobs=True)
         self._precompile_structured = precompile_structured  # Engine.warmup(structured=True)
+        self._precompile_prompt = precompile_prompt_logprobs  # Engine.warmup(prompt_logprobs=True)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request_id -> (loop, sink); touched only on the worker thread.
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}
@@ -203,7 +207,8 @@ class EngineWorker(EngineCalls):
             if self._engine is None:
                 self._engine = self._factory()
             prepare_engine(self._engine, self._warmup, self._precompile, self._precompile_prefill,
-                           self._precompile_sampling, self._precompile_top, self._precompile_structured)
+                           self._precompile_sampling, self._precompile_top, self._precompile_structured,
+                           self._precompile_prompt)
         except BaseException as e:  # noqa: BLE001 - reported to start()
             self._start_error = e
             self._ready.set()
@@ -361,13 +366,14 @@ def engine_stats(engine) -> dict:
 
 def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=False,
                    precompile_sampling=(False, True), precompile_top_logprobs=False,
-                   precompile_structured=False) -> None:
+                   precompile_structured=False, precompile_prompt_logprobs=False) -> None:
     """What a worker does with its engine before it serves: `precompile` compiles every decode
     batch bucket (Engine.warmup; "auto": on a GPU only), by default greedy and sampling
     (`precompile_sampling`), since a server cannot know whether its clients sample and a
     program compiled on first use stalls every stream for its compile (about 10 s for
     Qwen3-8B on the H200); `precompile_prefill` every
-    prefill bucket too (one program per shape serves greedy and sampled rows). `warmup` (True,
+    prefill bucket too (one program per shape serves greedy and sampled rows), and with
+    `precompile_prompt_logprobs` each prefill's variant for scoring requests. `warmup` (True,
     or a number of new tokens) runs one short request through the engine, so that the first
     client does not pay for what is left."""
     if precompile == "auto":
@@ -390,7 +396,8 @@ def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=Fa
     if precompile:
         t = time.perf_counter()
         n = len(engine.warmup(sampling=tuple(precompile_sampling), prefill=bool(precompile_prefill),
-                              top_logprobs=bool(precompile_top_logprobs), structured=bool(precompile_structured)))
+                              top_logprobs=bool(precompile_top_logprobs), structured=bool(precompile_structured),
+                              prompt_logprobs=bool(precompile_prompt_logprobs)))
         logger.info("compiled %d programs in %.1f s", n, time.perf_counter() - t)
 
 

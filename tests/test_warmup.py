@@ -302,11 +302,13 @@ def test_serve_keeps_compiled_programs_by_default():
         assert config.compilation_cache_dir == want
     assert cli_commands.serve_worker_options(p.parse_args([])) == dict(
         warmup=True, precompile="auto", precompile_prefill=False, precompile_top_logprobs=False,
-        precompile_structured=False)
-    argv = ["--precompile", "all", "--precompile-top-logprobs", "--precompile-structured"]
+        precompile_structured=False, precompile_prompt_logprobs=False)
+    argv = ["--precompile", "all", "--precompile-top-logprobs", "--precompile-structured", "--precompile-prompt-logprobs"]
     assert cli_commands.serve_worker_options(p.parse_args(argv)) == dict(
         warmup=True, precompile=True, precompile_prefill=True, precompile_top_logprobs=True,
-        precompile_structured=True)
+        precompile_structured=True, precompile_prompt_logprobs=True)
+    with pytest.raises(SystemExit, match="needs --precompile all"):  # prompt logprobs are prefill programs
+        cli_commands.serve_worker_options(p.parse_args(["--precompile", "on", "--precompile-prompt-logprobs"]))
 
 
 def test_compile_watch_counts_compilations_of_its_own_thread_only():
@@ -357,6 +359,44 @@ def test_warmup_with_top_logprobs_leaves_nothing_to_compile():
     # Everything else was warmed up, so what compiles here is the top-logprobs variants.
     assert counts[False] > 0, "top logprobs compile nothing without their warm-up: the check cannot fail"
     assert counts[True] == 0, f"{counts[True]} programs compiled after warmup(top_logprobs=True)"
+
+
+@pytest.mark.parametrize("algo, hidden_sizes", [(None, (136, 152)), ("eagle", (168,))])
+def test_warmup_with_prompt_logprobs_leaves_nothing_to_compile(algo, hidden_sizes):
+    """warmup(prefill=True, prompt_logprobs=True) (`jaxoverlap serve --precompile all
+    --precompile-prompt-logprobs`) also compiles each prefill program's variant that returns
+    the prompt's logprobs: scoring requests among plain ones then compile nothing (with a
+    drafter too, whose prefill scores one column fewer). Without it the same workload
+    compiles them on first use: that control runs once (no drafter)."""
+    opts = dict(batch_buckets=(4,), max_context_len=64, max_prefill_requests=2, chunked_prefill_size=32)
+    if algo:
+        opts["speculative_algorithm"] = algo
+    score = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
+    plain = SamplingParams(max_new_tokens=4, temperature=0.7, ignore_eos=True)
+    long_prompt = list(range(2, 42))  # 40 tokens: two chunks of the 32-token budget
+    workload = {0: [("a", [3, 4, 5, 6, 7, 8], score), ("b", [9, 10, 11], plain)],
+                2: [("c", long_prompt, score)], 4: [("d", [5, 5, 6], plain)]}
+    counts = {}
+    for hidden, warm in zip(hidden_sizes, (False, True) if len(hidden_sizes) == 2 else (True,)):
+        eng = make_engine(tiny_config(hidden_size=hidden, head_dim=hidden // 4), **opts)
+        report = eng.warmup(prefill=True, sampling=(False, True), prompt_logprobs=warm)
+        prefills = [x for x in report if x["program"] == "prefill"]
+        assert {x["prompt_logprobs"] for x in prefills} == ({False, True} if warm else {False})
+        COUNTER.active, COUNTER.count = True, 0
+        try:
+            finals = run_workload(eng, workload)
+        finally:
+            COUNTER.active = False
+        # A logprob for every prompt token but the first (None), over both chunks of "c".
+        assert len(finals["a"].prompt_logprobs) == 6 and len(finals["c"].prompt_logprobs) == 40
+        assert all(lp is not None and lp <= 0 for lp in finals["c"].prompt_logprobs[1:])
+        assert len(finals["b"].token_ids) == 4
+        counts[warm] = COUNTER.count
+    if False in counts:
+        assert counts[False] > 0, "prompt logprobs compile nothing without their warm-up: the check cannot fail"
+    assert counts[True] == 0, f"{counts[True]} programs compiled after warmup(prompt_logprobs=True)"
+    with pytest.raises(ValueError, match="prefill=True"):
+        eng.warmup(prompt_logprobs=True)
 
 
 @pytest.mark.parametrize("algo, hidden_sizes", [(None, (56, 104)), ("ngram_device", (88,)), ("eagle", (120,))])
