@@ -11,6 +11,9 @@ import os
 # `serve`) inherit it. Set both to 0 to run the suite on optimized programs.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAX_EXEC_TIME_OPTIMIZATION_EFFORT", "-1.0")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several workers on one GPU: none may claim most of its memory up front (JAX's default).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest  # noqa: E402
 
