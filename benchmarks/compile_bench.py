@@ -11,7 +11,8 @@ Two subprocesses share one fresh cache folder: "cold" builds the engine and time
 "restart" does the same in a new process, which finds every program in the cache. A third
 line, "serial", compiles one program alone, for the per-program cost. `--server-set` compiles
 what `jaxoverlap serve --precompile all` does instead: the decode programs greedy and
-sampled, and every prefill shape (with `--top-logprobs`, each program's top-logprobs variant
+sampled, and every prefill shape (with `--top-logprobs`, each program's top-logprobs variant;
+with `--prompt-logprobs`, each prefill program's prompt-logprobs variant
 too), so that `--threads` settles how many compile at once. The warm-up compiles
 the programs and then runs each once: `warmup_s` holds those runs too, the per-program
 `seconds` do not.
@@ -59,7 +60,8 @@ def child(args) -> dict:
         out.update(programs=1, warmup_s=time.perf_counter() - t, per_program=rep)
         return out
     t = time.perf_counter()
-    server_set = dict(sampling=(False, True), prefill=True, top_logprobs=args.top_logprobs) if args.server_set else {}
+    server_set = dict(sampling=(False, True), prefill=True, top_logprobs=args.top_logprobs,
+                      prompt_logprobs=args.prompt_logprobs) if args.server_set else {}
     rep = engine.warmup(threads=args.threads, **server_set)
     out.update(programs=len(rep), warmup_s=time.perf_counter() - t,
                max_program_s=max(x["seconds"] for x in rep), per_program=rep)
@@ -78,6 +80,9 @@ def main():
     ap.add_argument("--server-set", action="store_true",
                     help="the programs of `serve --precompile all`: decode greedy and sampled, every prefill shape")
     ap.add_argument("--top-logprobs", action="store_true", help="with --server-set: the top-logprobs variants too")
+    ap.add_argument("--prompt-logprobs", action="store_true",
+                    help="with --server-set: each prefill program's prompt-logprobs variant too "
+                         "(serve --precompile-prompt-logprobs)")
     ap.add_argument("--layers-per-weight-stack", type=int, default=None, help="default: the engine's")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--timeout-s", type=int, default=300, help="per phase")
