@@ -91,6 +91,8 @@ def main():
     ap.add_argument("--cache-dir")
     ap.add_argument("--phases", nargs="+", default=["cold", "restart", "serial"], choices=("cold", "restart", "serial"))
     args = ap.parse_args()
+    if (args.top_logprobs or args.prompt_logprobs) and not args.server_set:
+        ap.error("--top-logprobs and --prompt-logprobs add to --server-set's programs: pass it too")
     if args.phase:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0

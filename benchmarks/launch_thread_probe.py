@@ -194,7 +194,7 @@ def main():
                     rows.append(row)
                     print_table([row], list(row))
         engine.close()
-        del engine, r  # the engine's arrays go before the next one's
+        del engine, r  # (close() above has freed the engine's device arrays)
     cols = ["layers", "batch", "host_work_ms", "mode", "device_step_ms", "period_ms", "period_p90_ms", "work_ms",
             "launch_ms", "handoff_ms", "wait_ms"]
     print_table(rows, cols)

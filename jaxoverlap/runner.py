@@ -658,7 +658,7 @@ class ModelRunner:
         logprobs; with a drafter, its draft, verify and accept programs instead), and with
         `prefill` each prefill program's variant with allowed tokens. `prompt_logprobs` (with
         `prefill`) also compiles each prefill program's variant that returns the prompt's
-        logprobs (per top-logprobs variant; not the constrained ones), which a prefill runs
+        logprobs (per top-logprobs variant; not with allowed tokens too), which a prefill runs
         while any of its rows asks for them (SamplingParams.prompt_logprobs).
 
         Returns one {program, ..., seconds} per program: decode rows name batch, ctx_len,

@@ -70,5 +70,9 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker per core, at most 4. Most of the suite is
     XLA compiling tiny programs on one thread, so workers divide the wall time (2 on CI's 2
     cores); past 4, each worker's own JAX start and module fixtures eat into the gain, and
-    memory (a worker holds a few GiB) grows."""
-    return max(1, min(os.cpu_count() or 1, 4))
+    memory (a worker holds a few GiB) grows. The cores this process may use (a container's
+    share, not the host's count); PYTEST_XDIST_AUTO_NUM_WORKERS, where set, decides instead."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 4))

@@ -64,7 +64,8 @@ if not INTERPRET:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+            # -n 0: in that one process (not pyproject's workers; its cases are quick).
+            [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", os.path.abspath(__file__)],
             cwd=repo, env=env, capture_output=True, text=True, timeout=600)
         took = time.perf_counter() - t0
         tail = (proc.stdout + proc.stderr)[-6000:]

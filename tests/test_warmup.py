@@ -382,6 +382,19 @@ def test_warmup_with_prompt_logprobs_leaves_nothing_to_compile(algo, hidden_size
         report = eng.warmup(prefill=True, sampling=(False, True), prompt_logprobs=warm)
         prefills = [x for x in report if x["program"] == "prefill"]
         assert {x["prompt_logprobs"] for x in prefills} == ({False, True} if warm else {False})
+        # Each prefill launch looks up the warm-up's executable by its key (runner._prefill_key,
+        # whose 6th field is prompt_logprobs): record whether it found one. (A jit call of the
+        # same shapes would reuse the compiled program without it, so the compile count alone
+        # would not see a key that differs.)
+        lookups = []
+
+        class Recording(dict):
+            def get(self, key, default=None):
+                found = super().get(key, default)
+                lookups.append((key[5], found is not None))
+                return found
+
+        eng.runner._prefill_executables = Recording(eng.runner._prefill_executables)
         COUNTER.active, COUNTER.count = True, 0
         try:
             finals = run_workload(eng, workload)
@@ -391,6 +404,9 @@ def test_warmup_with_prompt_logprobs_leaves_nothing_to_compile(algo, hidden_size
         assert len(finals["a"].prompt_logprobs) == 6 and len(finals["c"].prompt_logprobs) == 40
         assert all(lp is not None and lp <= 0 for lp in finals["c"].prompt_logprobs[1:])
         assert len(finals["b"].token_ids) == 4
+        scoring = [found for is_scoring, found in lookups if is_scoring]
+        assert len(scoring) >= 3, lookups  # "a" and both chunks of "c"
+        assert all(found for _, found in lookups) if warm else not any(scoring), lookups
         counts[warm] = COUNTER.count
     if False in counts:
         assert counts[False] > 0, "prompt logprobs compile nothing without their warm-up: the check cannot fail"
