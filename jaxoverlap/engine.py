@@ -916,8 +916,8 @@ class Engine:
         output (no tokenizer). With `prefill` and `prompt_logprobs`, each prefill program's
         variant that returns the prompt's logprobs too (SamplingParams.prompt_logprobs:
         scoring requests; a prefill that holds both a scoring row and a constrained one,
-        structured output, still compiles its program on first use). Returns the compile (and run) time of each program
-        (ModelRunner.precompile)."""
+        structured output, still compiles its program on first use). Returns the compile
+        (and run) time of each program (ModelRunner.precompile)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
         mask_words = None

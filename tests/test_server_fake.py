@@ -812,8 +812,8 @@ def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
     engine = _fake()
     seen = []
     def warmup(sampling, prefill, top_logprobs, structured, prompt_logprobs):
-        seen.append((threading.current_thread().name, prefill, sampling, top_logprobs) + (("structured",) if structured else ())
-                    + (("prompt_logprobs",) if prompt_logprobs else ()))
+        flags = (("structured",) if structured else ()) + (("prompt_logprobs",) if prompt_logprobs else ())
+        seen.append((threading.current_thread().name, prefill, sampling, top_logprobs) + flags)
         return [{"batch": 1}]
 
     engine.warmup = warmup
@@ -832,7 +832,8 @@ def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
     EngineWorker(engine, precompile=True, precompile_structured=True, name="t4").start().stop()
     assert seen[-1] == ("t4", False, (False, True), False, "structured")
     # --precompile all --precompile-prompt-logprobs: each prefill program's scoring variant too.
-    EngineWorker(engine, precompile=True, precompile_prefill=True, precompile_prompt_logprobs=True, name="t5").start().stop()
+    EngineWorker(engine, precompile=True, precompile_prefill=True, precompile_prompt_logprobs=True,
+                 name="t5").start().stop()
     assert seen[-1] == ("t5", True, (False, True), False, "prompt_logprobs")
     plain = _fake()
     plain.warmup = lambda **_: seen.append("unexpected") or []

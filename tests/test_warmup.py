@@ -303,7 +303,8 @@ def test_serve_keeps_compiled_programs_by_default():
     assert cli_commands.serve_worker_options(p.parse_args([])) == dict(
         warmup=True, precompile="auto", precompile_prefill=False, precompile_top_logprobs=False,
         precompile_structured=False, precompile_prompt_logprobs=False)
-    argv = ["--precompile", "all", "--precompile-top-logprobs", "--precompile-structured", "--precompile-prompt-logprobs"]
+    argv = ["--precompile", "all", "--precompile-top-logprobs", "--precompile-structured",
+            "--precompile-prompt-logprobs"]
     assert cli_commands.serve_worker_options(p.parse_args(argv)) == dict(
         warmup=True, precompile=True, precompile_prefill=True, precompile_top_logprobs=True,
         precompile_structured=True, precompile_prompt_logprobs=True)

@@ -94,7 +94,8 @@ def main():
     pallas = dict(attention_backend="pallas", batch_buckets=(8,), max_context_len=64, chunked_prefill_size=16)
     at_once = {0: [r for rs in arrivals.values() for r in rs]}
     # TP=4 plain only: a drafter's sharding does not change between 2 and 4 devices.
-    runs = [("xla", algo, tp, xla, arrivals) for algo in (None, "ngram_device") for tp in ((1, 2, 4) if algo is None else (1, 2))]
+    runs = [("xla", algo, tp, xla, arrivals) for algo in (None, "ngram_device")
+            for tp in ((1, 2, 4) if algo is None else (1, 2))]
     runs += [("pallas", algo, 2, pallas, at_once) for algo in (None, "eagle")]
     out, seconds = {}, {}
     for backend, algo, tp, options, workload in runs:
