@@ -79,6 +79,8 @@ class EngineProcess(EngineCalls):
                  precompile_sampling: tuple[bool, ...] = (False, True), precompile_top_logprobs: bool = False,
                  precompile_structured: bool = False, precompile_prompt_logprobs: bool = False,
                  name: str = "jaxoverlap-engine"):
+        if precompile_prompt_logprobs and not precompile_prefill:  # (Engine.warmup would refuse it later, on a GPU)
+            raise ValueError("precompile_prompt_logprobs compiles prefill programs: it needs precompile_prefill")
         self._factory = engine_factory
         self._options = (warmup, precompile, precompile_prefill, precompile_sampling, precompile_top_logprobs,
                          precompile_structured, precompile_prompt_logprobs)

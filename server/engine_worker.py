@@ -111,6 +111,8 @@ class EngineWorker(EngineCalls):
                  name: str = "jaxoverlap-engine"):
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine and engine_factory")
+        if precompile_prompt_logprobs and not precompile_prefill:  # (Engine.warmup would refuse it later, on a GPU)
+            raise ValueError("precompile_prompt_logprobs compiles prefill programs: it needs precompile_prefill")
         self._engine = engine
         self._factory = engine_factory
         self._warmup = warmup

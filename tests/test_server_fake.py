@@ -835,6 +835,12 @@ def test_precompile_runs_before_start_returns_and_on_the_engine_thread():
     EngineWorker(engine, precompile=True, precompile_prefill=True, precompile_prompt_logprobs=True,
                  name="t5").start().stop()
     assert seen[-1] == ("t5", True, (False, True), False, "prompt_logprobs")
+    with pytest.raises(ValueError, match="needs precompile_prefill"):  # refused when made, on any backend
+        EngineWorker(engine, precompile="auto", precompile_prompt_logprobs=True)
+    from jaxoverlap.server.engine_process import EngineProcess
+
+    with pytest.raises(ValueError, match="needs precompile_prefill"):
+        EngineProcess(_fake, precompile=True, precompile_prompt_logprobs=True)
     plain = _fake()
     plain.warmup = lambda **_: seen.append("unexpected") or []
     EngineWorker(plain).start().stop()
