@@ -15,6 +15,7 @@ of the time autotuning takes). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import os
 import sys
@@ -72,7 +73,8 @@ def main():
                 rows.append({"variant": variant, "program": "decode", "batch": B, "ctx_len": ctx,
                              "seconds": r["seconds"]})
                 print(rows[-1], flush=True)
-        if args.prefill and variant == args.variants[0]:  # (prefill chunks are past the kernel's sizes)
+        # Prefill programs once (most are past the kernel's sizes, and they are the long compiles).
+        if args.prefill and variant == args.variants[0]:
             for r in runner.precompile([], [ctx], threads=1, prefill=True):  # no batch sizes: no decode program
                 rows.append({"variant": variant, "program": "prefill", "batch": r["rows"], "tokens": r["tokens"],
                              "ctx_len": r["ctx_len"], "seconds": r["seconds"]})
@@ -80,10 +82,10 @@ def main():
     runner.attention = default_attention
     cols = ["variant", "program", "batch", "tokens", "ctx_len", "seconds"]
     print_table(rows, cols)
-    totals = {}
+    totals = collections.Counter()
     for r in rows:
-        totals[f"{r['variant']}_{r['program']}_s"] = totals.get(f"{r['variant']}_{r['program']}_s", 0.0) + r["seconds"]
-    print(totals)
+        totals[f"{r['variant']}_{r['program']}_s"] += r["seconds"]
+    print(dict(totals))
     write_results(args.out, args, rows, totals=totals)
     engine.close()
 

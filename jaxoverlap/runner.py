@@ -708,11 +708,11 @@ class ModelRunner:
 
         def compile_prefill(R, T, ctx, top, constrained, scoring):
             # Numpy, as a prefill launch passes its inputs.
-            allowed = {"allowed": np.full((R, mask_words), -1, np.int32)} if constrained else {}
+            variant = {"allowed": np.full((R, mask_words), -1, np.int32)} if constrained else {}
             if scoring:  # the prompt's next tokens, one per chunk column (_prompt_targets)
                 columns = T - 1 if self.spec is not None else T  # a drafter's column 0 is the token before
-                allowed["targets"] = np.zeros((R, columns), np.int32)
-            inp = dataclasses.replace(self._prefill_inputs([], R, T), top_logprobs=top, **allowed)
+                variant["targets"] = np.zeros((R, columns), np.int32)
+            inp = dataclasses.replace(self._prefill_inputs([], R, T), top_logprobs=top, **variant)
             res = steps.Reservations.empty(self._prefill_res_capacity(R))
             step, args, static = self._prefill_program(inp, res, ctx)
             key = self._prefill_key(R, T, ctx, scoring, top, constrained)

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 from jaxoverlap.outputs import RequestMetrics, RequestOutput
 from jaxoverlap.server.engine_worker import (DuplicateRequestError, EngineCalls, Sink, WorkerUnavailableError,
-                                            abort_and_drain, hand_over, prepare_engine)
+                                            abort_and_drain, check_precompile_options, hand_over, prepare_engine)
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,7 @@ class EngineProcess(EngineCalls):
                  precompile_sampling: tuple[bool, ...] = (False, True), precompile_top_logprobs: bool = False,
                  precompile_structured: bool = False, precompile_prompt_logprobs: bool = False,
                  name: str = "jaxoverlap-engine"):
-        if precompile_prompt_logprobs and not precompile_prefill:  # (Engine.warmup would refuse it later, on a GPU)
-            raise ValueError("precompile_prompt_logprobs compiles prefill programs: it needs precompile_prefill")
+        check_precompile_options(precompile_prefill, precompile_prompt_logprobs)
         self._factory = engine_factory
         self._options = (warmup, precompile, precompile_prefill, precompile_sampling, precompile_top_logprobs,
                          precompile_structured, precompile_prompt_logprobs)

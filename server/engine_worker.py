@@ -111,8 +111,7 @@ class EngineWorker(EngineCalls):
                  name: str = "jaxoverlap-engine"):
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine and engine_factory")
-        if precompile_prompt_logprobs and not precompile_prefill:  # (Engine.warmup would refuse it later, on a GPU)
-            raise ValueError("precompile_prompt_logprobs compiles prefill programs: it needs precompile_prefill")
+        check_precompile_options(precompile_prefill, precompile_prompt_logprobs)
         self._engine = engine
         self._factory = engine_factory
         self._warmup = warmup
@@ -364,6 +363,13 @@ def abort_and_drain(engine, request_ids, deliver, timeout_s: float = 30.0) -> No
 def engine_stats(engine) -> dict:
     """fn(engine) for `call`: module-level, so an EngineProcess can send it too."""
     return engine.stats()
+
+
+def check_precompile_options(precompile_prefill: bool, precompile_prompt_logprobs: bool) -> None:
+    """A worker's options refused when it is made, on any backend (Engine.warmup would refuse
+    them only at start, and only where the precompile runs: on a GPU for "auto")."""
+    if precompile_prompt_logprobs and not precompile_prefill:
+        raise ValueError("precompile_prompt_logprobs compiles prefill programs: it needs precompile_prefill")
 
 
 def prepare_engine(engine, warmup=False, precompile=False, precompile_prefill=False,
