@@ -288,14 +288,64 @@ def _moe_fields(cfg: dict, model_type: str) -> dict:
                 shared_expert_intermediate_size=shared)
 
 
+def fp8_weight_block(quant) -> tuple[int, int] | None:
+    """The block of an FP8 weight checkpoint's scales (one scale per [b_out, b_in] tile of a
+    weight), or None where each weight has one scale, or one per output row.
+
+    `quant` is config.json's `quantization_config`. Two schemes write 8-bit float (e4m3)
+    weights with float scales beside them: `fp8` (transformers' fine-grained FP8, as in
+    Qwen3-8B-FP8: `weight_block_size` and a `weight_scale_inv` per weight; without a block
+    size, a `weight_scale` per weight) and `compressed-tensors` in its `float-quantized`
+    format (a `weight_scale` per weight, for the `tensor`, `channel` or `block` strategy).
+    The loader multiplies them out into the model's dtype (models/loader.py); the activation
+    scheme does not matter then, since activations stay in that dtype. Anything else (int4/int8
+    GPTQ, AWQ, bitsandbytes, e5m2 weights, ...) is refused with CheckpointError."""
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+
+    def refuse(why: str):
+        raise CheckpointError(f"quantized checkpoints are supported only with FP8 (e4m3) weights; this one "
+                              f"(quantization_config: {method}) {why}; use an FP8 or the unquantized model")
+
+    def block_of(value, key: str):
+        if value is None:
+            return None
+        if (not isinstance(value, (list, tuple)) or len(value) != 2
+                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in value)):
+            refuse(f"has {key}={value!r}, not two positive integers")
+        return int(value[0]), int(value[1])
+
+    if method == "fp8":
+        if quant.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):
+            refuse(f"stores its weights as {quant.get('fmt')!r}")
+        return block_of(quant.get("weight_block_size"), "weight_block_size")
+    if method == "compressed-tensors":
+        if quant.get("format") != "float-quantized":
+            refuse(f"has the format {quant.get('format')!r}, not 'float-quantized'")
+        groups = quant.get("config_groups") or {}
+        if not isinstance(groups, dict) or not groups:
+            refuse("has no config_groups")
+        blocks = set()
+        for group in groups.values():
+            weights = group.get("weights") if isinstance(group, dict) else None
+            if not isinstance(weights, dict) or weights.get("type") != "float" or weights.get("num_bits") != 8:
+                refuse(f"quantizes weights as {weights!r}, not 8-bit float")
+            strategy = weights.get("strategy")
+            if strategy not in ("tensor", "channel", "block"):
+                refuse(f"uses the weight strategy {strategy!r}")
+            if strategy == "block":
+                blocks.add(block_of(weights.get("block_structure"), "block_structure"))
+        if len(blocks) > 1:
+            refuse(f"uses several weight block shapes {sorted(blocks)}")
+        return blocks.pop() if blocks else None
+    refuse("uses another scheme")
+
+
 def _refuse_unsupported(cfg: dict) -> None:
     """config.json fields that change the model's math in ways this engine does not
     implement: refused at load rather than served wrong."""
     quant = cfg.get("quantization_config")
     if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise CheckpointError(f"quantized checkpoints are not supported (quantization_config: {method}); "
-                              "use the unquantized (bf16) model")
+        fp8_weight_block(quant)  # FP8 weights load (dequantized); any other scheme is refused here
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise CheckpointError(f"hidden_act {act!r} is not supported; the MLP is SwiGLU (silu)")

@@ -5,6 +5,10 @@ device as they are, and then cast / transposed / concatenated there by small jit
 functions. Host memory therefore peaks at about one tensor (three for q/k/v), which matters
 for 16 GB checkpoints, and the host never does the slow part (strided transposes).
 
+FP8 checkpoints (models/config.py: fp8_weight_block): each e4m3 weight travels as its 8-bit
+bytes with its scale beside it, and a jitted function multiplies them out on the device
+(`_read_part`), into the model's dtype like any other weight.
+
 Dummy path: every array is generated on the device with `jax.random` inside a jitted
 function (one per layer, compiled once for all layers), so an 8B-shaped model costs no
 host->device traffic at all.
@@ -34,7 +38,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from jaxoverlap.models.config import CheckpointError, ModelConfig, read_json
+from jaxoverlap.models.config import CheckpointError, ModelConfig, fp8_weight_block, read_json
 from jaxoverlap.models.params import (
     LayerParams,
     ModelParams,
@@ -61,8 +65,12 @@ _ML_DTYPES = {
     "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 
-# Tensors that some checkpoints carry but that are recomputed from the config.
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Tensors that some checkpoints carry but that are recomputed from the config, or that weights
+# dequantized at load do not use: an FP8 checkpoint's weight scales (read with their weights),
+# and the activation and KV-cache scales of static schemes (activations and the KV cache stay
+# in the model's dtype).
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.weight_scale_inv|\.weight_scale|\.input_scale|\.[kv]_scale)$")
+_FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
 
 def default_model_path() -> str:
@@ -185,6 +193,59 @@ def _put_part(x: np.ndarray, target, transpose: bool) -> jax.Array:
 
     spec = tuple(n if n is not None and x.shape[i] % size(n) == 0 else None for i, n in enumerate(spec))
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+def _fp8_scale_tile(name: str, w_shape, s_shape, block) -> tuple[int, int] | None:
+    """How the scale tensor of FP8 weight `name` ([out, in]) covers it: None for one scale, or
+    one per output row; else the [b_out, b_in] tile of each of its [ceil(out / b_out),
+    ceil(in / b_in)] scales, `block` being the checkpoint's (models/config.py: fp8_weight_block)."""
+    out, inp = w_shape
+    s_shape = tuple(s_shape)
+    if int(np.prod(s_shape)) == 1 or s_shape in ((out,), (out, 1)):
+        return None
+    if block is not None and s_shape == (-(-out // block[0]), -(-inp // block[1])):
+        return block
+    raise CheckpointError(f"the scale of FP8 weight {name!r} {list(w_shape)} has shape {list(s_shape)}: neither "
+                          f"one scale, one per output row, nor one per {list(block) if block else 'block'} tile")
+
+
+@functools.partial(jax.jit, static_argnames=("tile",))
+def _dequantize_fp8(w: jax.Array, scale: jax.Array, *, tile) -> jax.Array:
+    """An FP8 checkpoint's weight [out, in] multiplied out by its scale (`_fp8_scale_tile`
+    says how it covers the weight), in float32: what transformers computes to dequantize."""
+    s = scale.astype(jnp.float32)
+    if tile is None:
+        s = s.reshape(-1, 1) if s.size > 1 else s.reshape(())  # [out] | [out, 1] -> [out, 1]
+    else:
+        s = jnp.repeat(jnp.repeat(s, tile[0], axis=0), tile[1], axis=1)  # [So, Si] -> [So * b_out, Si * b_in]
+        s = s[: w.shape[0], : w.shape[1]]  # -> [out, in]: the last tiles may overhang
+    return w.astype(jnp.float32) * s
+
+
+def _read_part(reader: SafetensorsReader, name: str, target, transpose: bool, fp8_block) -> jax.Array:
+    """Checkpoint tensor `name` on its way to a weight of sharding `target`, as `_put_part`
+    puts it; an FP8 weight arrives multiplied out by its scale (`<name>_scale_inv` or
+    `<name>_scale`), in float32. The 8-bit tensor travels, and the device dequantizes it."""
+    x = reader.get(name)
+    if x.dtype not in _FP8_DTYPES:
+        return _put_part(x, target, transpose)
+    scale_name = next((name + s for s in ("_scale_inv", "_scale") if name + s in reader), None)
+    if scale_name is None:
+        raise CheckpointError(f"FP8 tensor {name!r} has no scale ({name}_scale_inv or {name}_scale)")
+    scale = reader.get(scale_name)
+    tile = _fp8_scale_tile(name, x.shape, scale.shape, fp8_block)
+    # The scale goes whole to every device that holds part of the weight.
+    scale = jax.device_put(scale, None if target is None else jax.sharding.NamedSharding(
+        target.mesh, jax.sharding.PartitionSpec()))
+    return _dequantize_fp8(_put_part(x, target, transpose), scale, tile=tile)
+
+
+def _checkpoint_fp8_block(model_path: str):
+    """The scale tile of an FP8 checkpoint's weights (models/config.py: fp8_weight_block); None
+    for one scale per weight or per row, and for a checkpoint that is not quantized."""
+    path = os.path.join(model_path, "config.json")
+    quant = read_json(path).get("quantization_config") if os.path.exists(path) else None
+    return fp8_weight_block(quant) if quant else None
 
 
 @functools.partial(jax.jit, static_argnames=("transpose", "dtype", "blocks", "shards", "sharding"))
@@ -336,10 +397,11 @@ def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, sha
     _check_checkpoint(reader, cfg, prefix, model_path)
     qkv_shards, gate_up_shards = layout_shards(cfg, tp)
     where = _Shardings(shardings)
+    fp8_block = _checkpoint_fp8_block(model_path)
 
     def matrix(*names: str, sharding, transpose: bool = True, blocks=(), shards: int = 1) -> jax.Array:
         # One transfer per tensor; the host copy is dropped as soon as it is on the device.
-        parts = tuple(_put_part(reader.get(n), sharding, transpose) for n in names)
+        parts = tuple(_read_part(reader, n, sharding, transpose, fp8_block) for n in names)
         return _place(_to_param(parts, transpose=transpose, dtype=dtype, blocks=blocks, shards=shards,
                                 sharding=sharding), sharding)
 
@@ -361,7 +423,7 @@ def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, sha
         # [E, in, out] target that it becomes.
         part_target = None if sharding is None else jax.sharding.NamedSharding(
             sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:]))
-        parts = tuple(tuple(_put_part(reader.get(name(e)), part_target, True) for e in range(cfg.num_experts))
+        parts = tuple(tuple(_read_part(reader, name(e), part_target, True, fp8_block) for e in range(cfg.num_experts))
                       for name in names_of)
         return _place(_to_expert_param(parts, dtype=dtype, sharding=sharding, **layout), sharding)
 

@@ -149,3 +149,79 @@ def hf_logits(model, token_ids) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.as_tensor([list(token_ids)], dtype=torch.long)).logits[0].float().numpy()
+
+
+def quantize_fp8_checkpoint(src: str, dst: str, scheme: str, block: tuple[int, int] = (48, 40)) -> dict:
+    """Copy checkpoint `src` to `dst` with its linear layers' weights in FP8 (e4m3), as FP8
+    checkpoints store them; returns {weight name: float32 dequantized weight} computed here
+    with torch, which is what the loader must produce for each.
+
+    scheme: "block" (transformers' fine-grained FP8: a `weight_scale_inv` per `block` tile;
+    the default block does not divide the tiny shapes, so the last tiles overhang), "tensor"
+    (`fp8` without a block: one `weight_scale`) or "channel" (compressed-tensors: a
+    `weight_scale` per output row). Embeddings, norms, biases, routers and the LM head stay
+    as they are, as in published FP8 checkpoints."""
+    import json
+    import shutil
+
+    import safetensors.torch
+    import torch
+
+    shutil.copytree(src, dst)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    dequantized, weight_map = {}, {}
+    for f in sorted(os.listdir(dst)):
+        if not f.endswith(".safetensors"):
+            continue
+        path = os.path.join(dst, f)
+        tensors = safetensors.torch.load_file(path)
+        out = {}
+        for name, w in tensors.items():
+            linear = name.endswith(".weight") and ".layers." in name and w.ndim == 2 and "norm" not in name
+            if not linear or name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
+                out[name] = w
+                continue
+            w = w.float()
+            rows, cols = w.shape
+            if scheme == "block":
+                bo, bi = block
+                so, si = -(-rows // bo), -(-cols // bi)
+                padded = torch.zeros(so * bo, si * bi)
+                padded[:rows, :cols] = w
+                amax = padded.reshape(so, bo, si, bi).abs().amax(dim=(1, 3))  # [so, si]
+                scale = amax.clamp(min=1e-12) / fp8_max
+                full = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]  # [rows, cols]
+                out[name + "_scale_inv"] = scale
+            elif scheme == "tensor":
+                scale = w.abs().amax().clamp(min=1e-12) / fp8_max  # []
+                full = scale
+                out[name + "_scale"] = scale
+            else:  # channel
+                scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / fp8_max  # [rows, 1]
+                full = scale
+                out[name + "_scale"] = scale
+            q = (w / full).to(torch.float8_e4m3fn)
+            out[name] = q
+            dequantized[name] = (q.float() * full).numpy()
+        safetensors.torch.save_file(out, path, metadata={"format": "pt"})
+        weight_map.update({name: f for name in out})
+    index = os.path.join(dst, "model.safetensors.index.json")
+    if os.path.exists(index):  # a sharded checkpoint names the file of every tensor, scales too
+        with open(index) as fh:
+            meta = json.load(fh)
+        meta["weight_map"] = weight_map
+        with open(index, "w") as fh:
+            json.dump(meta, fh)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    if scheme == "channel":
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}}
+    else:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         **({"weight_block_size": list(block)} if scheme == "block" else {})}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return dequantized

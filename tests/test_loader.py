@@ -279,7 +279,7 @@ def test_configs_that_change_the_math_are_refused_at_load():
     base = json.loads(open(os.path.join(default_model_path(), "config.json")).read())
     assert ModelConfig.from_hf_dict(base).rope_scaling is None
     refused = {
-        "quantized": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "fp8"),
+        "quantized": ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "only with FP8 .*gptq"),
         "gelu": ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
         "sliding": ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window"),
         "layer types": ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
@@ -523,3 +523,125 @@ def test_default_model_loads():
     assert cfg.eos_token_ids and set(cfg.eos_token_ids) <= set(tok.eos_token_ids)
     total = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
     assert total < 5_000_000
+
+
+# --------------------------------------------------------------------------------------
+# FP8 checkpoints: weights in e4m3 with scales, multiplied out at load
+# --------------------------------------------------------------------------------------
+
+def test_fp8_quantization_configs():
+    """Which quantization_config loads (FP8 weights with float scales) and the scale tile it
+    gives the loader; every other scheme is refused when the config is read."""
+    from jaxoverlap.models.config import fp8_weight_block
+
+    fine_grained = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert fp8_weight_block(fine_grained) == (128, 128)
+    assert fp8_weight_block({"quant_method": "fp8", "activation_scheme": "static"}) is None
+
+    def compressed(**weights):
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", **weights}}}}
+
+    assert fp8_weight_block(compressed(strategy="channel")) is None
+    assert fp8_weight_block(compressed(strategy="tensor")) is None
+    assert fp8_weight_block(compressed(strategy="block", block_structure=[64, 32])) == (64, 32)
+    refused = {
+        "e5m2 weights": {"quant_method": "fp8", "fmt": "e5m2"},
+        "a block that is not two sizes": {"quant_method": "fp8", "weight_block_size": [128]},
+        "a zero block": {"quant_method": "fp8", "weight_block_size": [0, 128]},
+        "int8 weights": compressed(strategy="channel", num_bits=4),
+        "int weights": {**compressed(strategy="channel"), "config_groups": {"g": {"weights": {"num_bits": 8,
+                                                                                           "type": "int"}}}},
+        "group strategy": compressed(strategy="group", group_size=128),
+        "packed format": {**compressed(strategy="channel"), "format": "pack-quantized"},
+        "awq": {"quant_method": "awq", "bits": 4},
+        "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        "not an object": "fp8",
+    }
+    for why, quant in refused.items():
+        with pytest.raises(CheckpointError, match="only with FP8"):
+            fp8_weight_block(quant)
+            raise AssertionError(why)
+    base = json.loads(open(os.path.join(default_model_path(), "config.json")).read())
+    assert ModelConfig.from_hf_dict({**base, "quantization_config": fine_grained}) == ModelConfig.from_hf_dict(base)
+
+
+@pytest.mark.parametrize("family,scheme", [("qwen3", "block"), ("qwen3_moe", "block"), ("llama", "channel"),
+                                           ("mixtral", "tensor"), ("qwen2_moe", "channel")])
+def test_fp8_checkpoint_loads_dequantized(hf_checkpoint, tmp_path, caplog, family, scheme):
+    """An FP8 checkpoint (e4m3 weights beside their scales) loads as the weights its scales
+    multiply out to, exactly as torch computes them: per block of a tile that does not
+    divide the shapes (so the last tiles overhang), per tensor and per output row; dense
+    and expert weights. Tensors kept unquantized (embedding, norms, biases, router, LM head)
+    load as they are, and the scale tensors draw no 'unexpected tensors' warning."""
+    from hf_fixtures import quantize_fp8_checkpoint
+
+    src = hf_checkpoint(family)
+    dst = str(tmp_path / "fp8")
+    dequantized = quantize_fp8_checkpoint(src, dst, scheme)
+    assert dequantized and all(np.abs(w).max() > 0 for w in dequantized.values())
+    sd = {**_state_dict(src), **dequantized}
+    cfg = ModelConfig.from_path(dst)
+    assert cfg == ModelConfig.from_path(src)
+    with caplog.at_level("WARNING", logger=loader.logger.name):
+        params = load_params(dst, cfg, jnp.float32)
+    assert "unexpected" not in caplog.text
+    got, exp = _flat(params), _expected(sd, cfg)
+    assert sorted(got) == sorted(exp)
+    for k in exp:
+        np.testing.assert_array_equal(got[k], exp[k], err_msg=k)
+    # The 8-bit weights are not the originals: the loader did multiply the scales out.
+    original = _expected(_state_dict(src), cfg)
+    assert not np.array_equal(got["layers.0.wo"], original["layers.0.wo"])
+    np.testing.assert_allclose(got["layers.0.wo"], original["layers.0.wo"], rtol=0.07, atol=1e-3)
+
+
+def test_fp8_checkpoint_errors(hf_checkpoint, tmp_path):
+    """An FP8 weight without its scale, or with a scale of a shape that covers it in none of
+    the known ways, is a CheckpointError naming the tensor."""
+    import safetensors.torch
+    import torch
+    from hf_fixtures import quantize_fp8_checkpoint
+
+    dst = str(tmp_path / "fp8")
+    quantize_fp8_checkpoint(hf_checkpoint("qwen3"), dst, "block")
+    cfg = ModelConfig.from_path(dst)
+    file = os.path.join(dst, "model.safetensors")
+    tensors = safetensors.torch.load_file(file)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    scale = tensors.pop(name + "_scale_inv")
+    safetensors.torch.save_file(tensors, file)
+    with pytest.raises(CheckpointError, match=re.escape(f"FP8 tensor {name!r} has no scale")):
+        load_params(dst, cfg, jnp.float32)
+    tensors[name + "_scale_inv"] = torch.ones(scale.shape[0] + 1, scale.shape[1])
+    safetensors.torch.save_file(tensors, file)
+    with pytest.raises(CheckpointError, match=re.escape(f"the scale of FP8 weight {name!r}")):
+        load_params(dst, cfg, jnp.float32)
+
+
+def test_fp8_checkpoint_generates_as_its_dequantized_weights(tmp_path):
+    """End to end through the LLM API: the default model saved as a fine-grained FP8
+    checkpoint generates the tokens of a float32 checkpoint holding the weights its scales
+    multiply out to."""
+    import safetensors.torch
+    import torch
+    from hf_fixtures import quantize_fp8_checkpoint
+
+    from jaxoverlap import LLM, SamplingParams
+
+    fp8 = str(tmp_path / "fp8")
+    dequantized = quantize_fp8_checkpoint(default_model_path(), fp8, "block", block=(32, 32))
+    plain = str(tmp_path / "plain")
+    shutil.copytree(default_model_path(), plain)
+    file = os.path.join(plain, "model.safetensors")
+    tensors = {k: v.float() for k, v in safetensors.torch.load_file(file).items()}
+    tensors.update({k: torch.from_numpy(v) for k, v in dequantized.items()})
+    safetensors.torch.save_file(tensors, file)
+    prompts = ["Once upon a time", "The capital of", "1, 2, 3,"]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for name, path in (("fp8", fp8), ("plain", plain)):
+        with LLM(path, dtype="float32", max_running_requests=4, max_context_len=64, kv_cache_tokens=512,
+                 page_size=8) as llm:
+            outs[name] = [r.token_ids for r in llm.generate(prompts, greedy)]
+    assert outs["fp8"] == outs["plain"]

@@ -89,18 +89,23 @@ def test_tp_greedy_matches_single_device():
             assert stacked["max_logit_diff"] < 1e-4 and stacked["wqkv_spec"] == [None, None, "tp"], stacked
 
 
-def test_loader_places_each_weight_on_its_devices(hf_checkpoint):
+def test_loader_places_each_weight_on_its_devices(hf_checkpoint, tmp_path):
     """With `shardings` the loader makes every weight in place on the mesh, for safetensors
-    (Qwen3: untied LM head split on the vocabulary; Qwen2: the qkv bias), dummy weights and
+    (Qwen3: untied LM head split on the vocabulary; Qwen2: the qkv bias; Qwen3 as an FP8
+    checkpoint whose block scales are multiplied out on the devices), dummy weights and
     the orbax cache: the values of loading on one device and sharding after, and no tensor
     the mesh splits ever sent whole to a device (so a model larger than one device loads)."""
-    paths = [hf_checkpoint("qwen3"), hf_checkpoint("qwen2")]
+    from hf_fixtures import quantize_fp8_checkpoint
+
+    fp8 = str(tmp_path / "qwen3-fp8")
+    quantize_fp8_checkpoint(hf_checkpoint("qwen3"), fp8, "block")
+    paths = [hf_checkpoint("qwen3"), hf_checkpoint("qwen2"), fp8]
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_load_worker.py"), *paths], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(out) == 2 * 2 * 4, sorted(out)
+    assert len(out) == len(paths) * 2 * 4, sorted(out)
     for name, row in out.items():
         assert row["misplaced"] == 0, (name, row)
         assert row["max_diff"] == 0.0, (name, row)
