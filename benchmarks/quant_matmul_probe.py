@@ -14,7 +14,8 @@ weights held as:
 - fp8_fp8: the activations quantized too (one dynamic scale per row), an fp8 x fp8 matmul.
 
 For each it prints the period of back-to-back calls (the device-bound step time), the bytes
-the weights hold, the implied GB/s, and which kernels XLA chose for the matmuls (custom-call
+the weights hold, the implied GB/s, the first output's relative error against bf16's (the
+formats quantize one draw of weights; bf16 runs first), and which kernels XLA chose for the matmuls (custom-call
 targets and fusion kinds of the optimized HLO).
 
     python benchmarks/quant_matmul_probe.py --batches 1 32 --out quant.json
@@ -89,10 +90,11 @@ def child(args) -> list[dict]:
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     shape = TINY if args.tiny else QWEN3_8B
     A, F = shape["attn"], shape["ffn"]
-    rows = []
+    rows, reference = [], {}
     for fmt in args.formats:
         try:
             W = make_weights(jax, jnp, shape, fmt, jax.random.PRNGKey(0))
@@ -124,7 +126,10 @@ def child(args) -> list[dict]:
                 kinds = collections.Counter(re.findall(r'"kind":"(__[a-z_]+)"', hlo))
                 row["kernels"] = ", ".join(f"{k} x{v}" for k, v in sorted((targets + kinds).items()))[:160]
                 x = chain(W, x)
-                jax.block_until_ready(x)
+                # The first output against bf16's (the weights are one draw in every format).
+                first = np.asarray(x.astype(jnp.float32))
+                reference.setdefault(B, first)
+                row["rel_err"] = float(np.linalg.norm(first - reference[B]) / np.linalg.norm(reference[B]))
                 periods = []
                 for _ in range(args.repeats):
                     t = time.perf_counter()
@@ -148,14 +153,15 @@ def child(args) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS,
+                   help="bf16 first: the others' error is measured against it")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = child(args)
-    print_table(rows, ["format", "batch", "weight_gb", "period_ms", "gb_per_s", "vs_bf16", "kernels", "error"])
+    print_table(rows, ["format", "batch", "weight_gb", "period_ms", "gb_per_s", "vs_bf16", "rel_err", "kernels", "error"])
     if args.out:
         import jax
         with open(args.out, "w") as f:

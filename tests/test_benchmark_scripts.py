@@ -298,3 +298,15 @@ def test_compile_bench_moe(tmp_path):
                      "--max-running-requests", "4", "--phases", "cold", "--threads", "2")
     assert not res["errors"] and [r["phase"] for r in res["rows"]] == ["cold"]
     assert res["rows"][0]["programs"] == len(res["rows"][0]["per_program"]) > 0
+
+
+def test_quant_matmul_probe(tmp_path):
+    """Every 8-bit format runs the chain and stays near bf16's output (a scale on the wrong
+    axis would not), and the rows say how each compares."""
+    res = run_script(tmp_path, "quant_matmul_probe", "--tiny", "--batches", "1", "4", "--iters", "1", "--repeats", "1")
+    rows = res["rows"]
+    assert [(r["format"], r["batch"]) for r in rows] == [(f, b) for f in ("bf16", "fp8_channel", "int8_channel",
+                                                                          "fp8_block", "fp8_fp8") for b in (1, 4)]
+    for r in rows:
+        assert "error" not in r and r["period_ms"] > 0 and r["vs_bf16"] > 0, r
+        assert r["rel_err"] < (1e-9 if r["format"] == "bf16" else 0.2), r
