@@ -77,6 +77,9 @@ def test_tp_greedy_matches_single_device():
     np.testing.assert_allclose([[lp for _, lp in a] for a in two["top"]], [[lp for _, lp in a] for a in one["top"]],
                                atol=1e-4)
     np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-4)
+    # TP=2 ran after warmup(prefill=True, prompt_logprobs=True): every prefill launch, the
+    # scoring ones included, found its executable compiled under the mesh.
+    assert any(scoring for scoring, _ in two["lookups"]) and all(found for _, found in two["lookups"]), two["lookups"]
     for backend in ("xla", "pallas"):
         hlo = out[f"hlo-{backend}"]
         # One all-reduce after wo and one after w_down per layer, and nothing else: the

@@ -157,8 +157,20 @@ def main():
     penalized = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5,
                                frequency_penalty=1.0, top_logprobs=3)
     prompt = [(5 * j) % 90 + 1 for j in range(37)]
+    lookups = []  # TP=2: (prompt_logprobs, found) of each prefill launch's executable lookup
+
+    class Recording(dict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            lookups.append((key[5], found is not None))  # runner._prefill_key: 6th field prompt_logprobs
+            return found
+
     for tp in (1, 2):
-        eng = make_engine(cfg, tensor_parallel_size=tp, **xla)
+        # One batch bucket and a short context: fewer programs for TP=2's warm-up to compile.
+        eng = make_engine(cfg, tensor_parallel_size=tp, **xla, batch_buckets=(4,), max_context_len=64)
+        if tp == 2:  # the scoring variants compiled ahead under the mesh, and found by the launches
+            eng.warmup(prefill=True, top_logprobs=True, prompt_logprobs=True)
+            eng.runner._prefill_executables = Recording(eng.runner._prefill_executables)
         eng.add_request("s", prompt, score)
         eng.add_request("p", prompt, penalized)
         finals, top = {}, []
@@ -169,6 +181,7 @@ def main():
                     finals[o.request_id] = o
         out[f"prompt-logprobs-{tp}"] = {"logprobs": finals["s"].prompt_logprobs[1:], "top1": finals["s"].prompt_top1[1:],
                                         "penalized": finals["p"].token_ids, "top": top}
+    out["prompt-logprobs-2"]["lookups"] = lookups
     seconds["prompt-logprobs"] = round(time.perf_counter() - t0, 1)
     # Layouts kept across steps (parallel.StateSharding): an untied LM head over a vocabulary
     # the mesh divides splits the logits and with them the penalty history; the Pallas
