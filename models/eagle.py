@@ -29,10 +29,13 @@ from jaxoverlap.models.config import ModelConfig, read_json
 from jaxoverlap.models.loader import (
     CheckpointError,
     SafetensorsReader,
+    _checkpoint_fp8_block,
     _dummy_layer,
     _dummy_matrix,
+    _read_part,
     _to_param,
     safetensors_files,
+    scale_owner,
 )
 from jaxoverlap.models.params import LayerParams
 
@@ -123,7 +126,7 @@ def _check_head_tensors(reader: SafetensorsReader, path: str, top: str, lp: str,
             raise CheckpointError(f"{name} of EAGLE head {path!r} has shape {list(reader.shape(name))}, "
                                   f"expected {list(shape)}")
     known = set(want) | set(optional) | {top + "fc.weight", top + "lm_head.weight", "lm_head.weight"}
-    unknown = sorted(n for n in reader.names() if n not in known)
+    unknown = sorted(n for n in reader.names() if n not in known and scale_owner(n) not in known)
     if unknown:  # a second layer, o_proj / down_proj biases: the head would run without them
         raise CheckpointError(f"EAGLE head {path!r} holds tensors a one-layer EAGLE-1/2 head does not use: "
                               f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
@@ -168,8 +171,10 @@ def load_eagle_head(path: str, target: ModelConfig, dtype) -> tuple[ModelConfig,
     cfg = dataclasses.replace(cfg, num_heads=q_out // cfg.head_dim, num_kv_heads=kv_out // cfg.head_dim)
     _check_head_tensors(reader, path, top, lp, cfg, target)
 
+    fp8_block = _checkpoint_fp8_block(path)  # an FP8 head's weights are multiplied out as a model's
+
     def matrix(*names: str, transpose: bool = True) -> jax.Array:
-        parts = tuple(jax.device_put(reader.get(n)) for n in names)
+        parts = tuple(_read_part(reader, n, None, transpose, fp8_block) for n in names)
         return _to_param(parts, transpose=transpose, dtype=dtype)
 
     def optional(name: str, transpose: bool = False):

@@ -240,6 +240,16 @@ def _read_part(reader: SafetensorsReader, name: str, target, transpose: bool, fp
     return _dequantize_fp8(_put_part(x, target, transpose), scale, tile=tile)
 
 
+def scale_owner(name: str) -> str | None:
+    """The weight whose scale tensor `name` is (an FP8 checkpoint's `<w>_scale_inv` or
+    `<w>_scale`, a static scheme's `<module>.input_scale`), or None for any other tensor."""
+    for suffix, weight in ((".weight_scale_inv", ".weight"), (".weight_scale", ".weight"),
+                           (".input_scale", ".weight")):
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + weight
+    return None
+
+
 def _checkpoint_fp8_block(model_path: str):
     """The scale tile of an FP8 checkpoint's weights (models/config.py: fp8_weight_block); None
     for one scale per weight or per row, and for a checkpoint that is not quantized."""

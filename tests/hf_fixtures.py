@@ -162,6 +162,7 @@ def quantize_fp8_checkpoint(src: str, dst: str, scheme: str, block: tuple[int, i
     `weight_scale` per output row). Embeddings, norms, biases, routers and the LM head stay
     as they are, as in published FP8 checkpoints."""
     import json
+    import re
     import shutil
 
     import safetensors.torch
@@ -177,8 +178,9 @@ def quantize_fp8_checkpoint(src: str, dst: str, scheme: str, block: tuple[int, i
         tensors = safetensors.torch.load_file(path)
         out = {}
         for name, w in tensors.items():
-            linear = name.endswith(".weight") and ".layers." in name and w.ndim == 2 and "norm" not in name
-            if not linear or name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
+            # The linear layers: attention and MLP projections, experts (Mixtral's w1/w2/w3),
+            # shared experts; not the routers, gates, fc (EAGLE), embedding or LM head.
+            if not re.search(r"(_proj|\.w[123])\.weight$", name):
                 out[name] = w
                 continue
             w = w.float()

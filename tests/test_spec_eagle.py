@@ -116,6 +116,28 @@ def test_load_eagle_checkpoint_matches_numpy_reference(tmp_path, layer_prefix):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
+def test_fp8_eagle_head_loads_as_its_dequantized_weights(tmp_path):
+    """An EAGLE head saved in FP8 (block scales beside its projections) loads as the head
+    holding the weights those scales multiply out to; its scale tensors are not taken for
+    tensors the head would drop."""
+    from hf_fixtures import quantize_fp8_checkpoint
+
+    cfg = tiny_config()
+    (tmp_path / "src").mkdir()
+    w = write_head(tmp_path / "src", cfg, "layers.0.")
+    dequantized = quantize_fp8_checkpoint(str(tmp_path / "src"), str(tmp_path / "fp8"), "block", block=(16, 16))
+    assert len(dequantized) == 7  # q, k, v, o, gate, up, down
+    (tmp_path / "plain").mkdir()
+    write_head(tmp_path / "plain", cfg, "layers.0.")
+    save_file({**w, **dequantized}, str(tmp_path / "plain" / "model.safetensors"))
+    _, fp8 = eagle_models.load_eagle_head(str(tmp_path / "fp8"), cfg, jnp.float32)
+    _, plain = eagle_models.load_eagle_head(str(tmp_path / "plain"), cfg, jnp.float32)
+    _, original = eagle_models.load_eagle_head(str(tmp_path / "src"), cfg, jnp.float32)
+    for a, b in zip(jax.tree.leaves(fp8), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(fp8.layer.wqkv), np.asarray(original.layer.wqkv))
+
+
 def test_eagle3_heads_are_rejected_clearly(tmp_path):
     cfg = tiny_config()
     write_head(tmp_path, cfg, "midlayer.", fc_in=3)
