@@ -112,7 +112,8 @@ def main():
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--variants", nargs="+", default=["default"],
                     choices=["default", "fused", "unfused", "fused_attention", "single_exec", "stacked", "per_layer",
-                             "group4", "group12", "no_host_copy", "on_change", "jit_turns", "no_expert_kernel"],
+                             "group4", "group12", "no_host_copy", "on_change", "jit_turns", "no_expert_kernel",
+                             "fp8"],
                     help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
                          "or off (unfused), only the attention one (fused_attention), the default kernels with "
                          "one executable per decode program instead of two in turn (single_exec), the weights in "
@@ -121,7 +122,9 @@ def main():
                          "is done), or with the step's input array sent only when it changed (on_change, "
                          "EngineConfig.decode_inputs), or with the first executable's turns launched through jit "
                          "instead of as the compiled executable (jit_turns), or (a MoE model) the experts of small "
-                         "steps in XLA ops instead of the Pallas expert-matmul kernel (no_expert_kernel)")
+                         "steps in XLA ops instead of the Pallas expert-matmul kernel (no_expert_kernel), or the "
+                         "dense layers' matrices in FP8 (fp8: EngineConfig.quantization, a second copy of them; "
+                         "its floor is of its own bytes)")
     ap.add_argument("--prompt-len-jitter", type=int, default=0,
                     help="prompts of prompt_len + [0, N) tokens: rows then cross page boundaries on different "
                          "steps, so most steps reserve pages (0: every row reserves on the same step)")
@@ -160,6 +163,10 @@ def main():
         per_layer = unstack_layers(default_params)
         layouts = {k: (per_layer if g == 1 else stack_layers(per_layer, group_size=g))
                    for k, g in layout_variants.items() if k in args.variants}
+    if "fp8" in args.variants:
+        from jaxoverlap.models.quant import quantize_params
+
+        layouts["fp8"] = quantize_params(default_params)
     print(f"weight leaves {len(jax.tree.leaves(default_params))} (layers per stack: "
           f"{layers_per_stack(default_params)})", flush=True)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "

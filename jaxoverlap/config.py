@@ -20,6 +20,9 @@ class EngineConfig:
     model: str | None = None  # checkpoint folder; None means the embedded default model
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config.json)
     dtype: str = "auto"  # "auto" (bfloat16 on GPU, float32 on CPU) | "bfloat16" | "float32"
+    # None | "fp8": the dense layers' weight matrices in 8 bits with a scale per output column
+    # (models/quant.py): half their memory and bytes per step; activations stay in `dtype`.
+    quantization: str | None = None
     seed: int = 0  # for dummy weights and for requests without a seed
     page_size: int = 16
     max_running_requests: int = 64
@@ -105,7 +108,7 @@ class EngineConfig:
     _BOOLS = ("disable_overlap", "disable_prefix_cache", "disable_fused_decode", "alternate_decode_executables",
               "freeze_gc", "enable_penalties")
     _STRINGS = ("load_format", "dtype", "attention_backend", "decode_inputs")
-    _OPTIONAL_STRINGS = ("model", "weights_cache_dir", "compilation_cache_dir", "speculative_algorithm",
+    _OPTIONAL_STRINGS = ("model", "quantization", "weights_cache_dir", "compilation_cache_dir", "speculative_algorithm",
                          "speculative_draft_model_path", "speculative_eagle_head_path")
 
     def _check_kinds(self) -> None:
@@ -172,6 +175,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
+        if self.quantization is not None and self.quantization.lower() in ("none", ""):
+            object.__setattr__(self, "quantization", None)
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8' (8-bit weights), got {self.quantization!r}")
         if self.attention_backend not in ("auto", "xla", "pallas"):
             raise ValueError(f"attention_backend must be 'auto', 'xla' or 'pallas', got {self.attention_backend!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

@@ -47,6 +47,7 @@ from jaxoverlap.errors import EngineClosedError, InvalidRequestError, PromptTooL
 from jaxoverlap.models import moe
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, stack_layers
+from jaxoverlap.models.quant import quantize_params
 from jaxoverlap.outputs import RequestOutput
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
@@ -270,6 +271,9 @@ class Engine:
         self.model_path = model_path
         self.model_name = os.path.basename(os.path.normpath(model_path)) if config.model else "jaxoverlap-default"
         self.model_config = model_config or ModelConfig.from_path(model_path)
+        if config.quantization and self.model_config.is_moe:  # before loading it (models/quant.py)
+            raise ValueError(f"quantization={config.quantization!r} covers dense models; this model's MLP is a "
+                             "mixture of experts, whose expert matrices stay in the model's dtype")
         self.dtype = _resolve_dtype(config.dtype)
         owns_params = params is None
         self.mesh = None
@@ -336,6 +340,10 @@ class Engine:
             params = parallel.shard_params(params, self.mesh, mc)
             if self.drafter is not None:
                 self.drafter.params = parallel.replicate(self.drafter.params, self.mesh)
+        if config.quantization == "fp8":
+            # After stacking and sharding: each 8-bit matrix keeps its weight's form and layout.
+            # Before the KV cache is sized, so that the memory freed goes to the cache.
+            params = quantize_params(params, delete_source=owns_params)
         attention = self._attention_fn()  # None: the XLA gather path
         if self.mesh is not None:
             # The layouts the steps' computations give these arrays (parallel.py's table).

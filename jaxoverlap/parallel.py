@@ -58,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import LayerParams, ModelParams, relayout
+from jaxoverlap.models.quant import Fp8Weight
 
 AXIS = "tp"
 
@@ -86,6 +87,10 @@ def param_shardings(params: ModelParams, mesh: Mesh) -> ModelParams:
     loader.abstract_params gives) on `mesh`: the module's table, as a ModelParams of
     shardings (None where a weight is None)."""
     def split(x, axis):
+        if isinstance(x, Fp8Weight):  # the 8-bit matrix as the weight; its scales [.., out] as its output axis
+            out_split = axis == len(x.shape) - 1
+            return Fp8Weight(_sharding(x.q, mesh, axis),
+                             _sharding(x.scale, mesh, x.scale.ndim - 1 if out_split else None))
         return None if x is None else _sharding(x, mesh, axis)
 
     def layer(l: LayerParams) -> LayerParams:

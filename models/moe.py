@@ -46,6 +46,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxoverlap.models.quant import linear
+
 # The plan is the cheapest by a cost model of a layer: bytes moved over the bandwidth plus
 # matmul work over the matmul rate, in units where only their ratio matters. An H200 does
 # about 600 TFLOP/s of bf16 matmul against 4.2 TB/s of memory bandwidth: 150 FLOP per byte.
@@ -132,8 +134,9 @@ def swiglu(gate_up: jax.Array, shards: int) -> jax.Array:
 def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, shards: int) -> jax.Array:
     """A dense SwiGLU MLP: x [..., D] -> [..., D] in x's dtype, with `w_gate_up [D, 2F]` in
     `shards` per-shard [gate | up] blocks and `w_down [F, D]`. A dense layer's MLP
-    (transformer.gated_mlp) and a MoE layer's shared expert."""
-    return jnp.dot(swiglu(jnp.dot(x, w_gate_up), shards), w_down)
+    (transformer.gated_mlp) and a MoE layer's shared expert. Either matrix may be an FP8
+    weight (models/quant.py)."""
+    return linear(swiglu(linear(x, w_gate_up), shards), w_down)
 
 
 def _dense(x, weights, experts, w_gate_up, w_down, shards):

@@ -41,6 +41,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxoverlap.models import quant
 from jaxoverlap.models.config import ModelConfig
 
 
@@ -159,7 +160,7 @@ def stack_layers(params: ModelParams, *, group_size: int | None = None, delete_s
     for g, start in enumerate(range(0, len(layers), G)):
         for name in names:
             parts = [getattr(l, name) for l in layers[start:start + G]]
-            groups[g][name] = jnp.stack(parts)  # G x [in, out] -> [G, in, out]
+            groups[g][name] = quant.stack(parts)  # G x [in, out] -> [G, in, out] (plain or FP8)
             if delete_source:
                 jax.block_until_ready(groups[g][name])  # the stack has read them
                 for x in parts:

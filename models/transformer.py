@@ -17,6 +17,7 @@ import numpy as np
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.moe import moe_mlp, swiglu_mlp
 from jaxoverlap.models.params import LayerParams, ModelParams, layer_at, num_layers
+from jaxoverlap.models.quant import linear  # a plain or an FP8 weight matrix (engine's quantization)
 # The XLA gather path is the CPU production path and the reference of the Pallas kernels.
 from jaxoverlap.pallas_kernels.reference import paged_attention_ref as xla_paged_attention
 from jaxoverlap.scatter import dropped_where_invalid
@@ -149,7 +150,7 @@ def forward(
     L = num_layers(params)
     for i in range(L):
         lw = layer_at(params, i)
-        qkv = jnp.dot(h, lw.wqkv)  # [R, Q, (H + 2KVH) * HD]
+        qkv = linear(h, lw.wqkv)  # [R, Q, (H + 2KVH) * HD]
         if params.bqkv is not None:
             qkv = qkv + params.bqkv[i]
         if fused is not None and lw.qkv_shards == fused_shards:
@@ -169,7 +170,7 @@ def forward(
             v_cache = write_cache(v_cache, i, slots, writes, v.reshape(R * Q, KVH, HD))
             o = attention(q, k_cache, v_cache, i, req_to_token, entries, positions, kv_lens, scale=scale,
                           ctx_len=ctx_len)
-        x, h = add_norm(x, jnp.dot(o.reshape(R, Q, H * HD), lw.wo), params.mlp_norm, i)  # [R, Q, D]
+        x, h = add_norm(x, linear(o.reshape(R, Q, H * HD), lw.wo), params.mlp_norm, i)  # [R, Q, D]
         # The residual add of the MLP comes with the next layer's input norm (the final norm last).
         last = i == L - 1
         x, h = add_norm(x, mlp(h, lw, cfg, expert_matmul), params.final_norm[None] if last else params.attn_norm,

@@ -534,7 +534,8 @@ def test_fp8_quantization_configs():
     gives the loader; every other scheme is refused when the config is read."""
     from jaxoverlap.models.config import fp8_weight_block
 
-    fine_grained = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    fine_grained = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
     assert fp8_weight_block(fine_grained) == (128, 128)
     assert fp8_weight_block({"quant_method": "fp8", "activation_scheme": "static"}) is None
 

@@ -1,0 +1,131 @@
+"""FP8 weights: the engine's `quantization="fp8"`, weight-only 8-bit matrices.
+
+A decode step at small batch reads every weight once, so its time follows the weight bytes;
+8-bit weights halve them (and free half the weights' memory for the KV cache). Each weight
+matrix [in, out] becomes an `Fp8Weight`: its values divided by one scale per output column
+(the column's largest magnitude over e4m3's largest, 448) in float8_e4m3fn, and the float32
+scales. A matmul with it (`linear`) converts the 8-bit matrix to the activations' dtype
+inside the program and multiplies the output columns by their scales, which is the
+weight's matmul up to where the scale is applied (after the sum instead of before each
+product). Activations, the KV cache, the embedding, the LM head and the norms stay in the
+model's dtype, as vLLM's weight-only schemes keep them.
+
+Per-column scales rather than one per tensor: a column's few outliers then cost only that
+column precision. FP8 checkpoints whose scales cover 128 x 128 blocks (models/loader.py
+multiplies those out at load) are quantized again per column here: a second rounding, at
+most half a unit of e4m3's last place more per weight.
+
+The dense layers' matrices (wqkv, wo, w_gate_up, w_down) are quantized; mixture-of-experts
+layers are refused (their experts go through plans and a kernel that take bf16 matrices).
+Leading axes (stacked layers [G, in, out]) carry through: `scale` is then [G, out].
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+QUANTIZED_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+QUANTIZATIONS = (None, "fp8")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Fp8Weight:
+    q: jax.Array  # [..., in, out] float8_e4m3fn: the weight over its column's scale
+    scale: jax.Array  # [..., out] float32
+
+    # Read like the array it stands for, where the layer code looks at a weight's form.
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+    @property
+    def size(self) -> int:
+        return self.q.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def __getitem__(self, i) -> "Fp8Weight":
+        """A static slice on the leading axis: layer i of stacked weights."""
+        return Fp8Weight(self.q[i], self.scale[i])
+
+    def delete(self) -> None:
+        self.q.delete()
+        self.scale.delete()
+
+    def dequantized(self, dtype=jnp.float32) -> jax.Array:
+        return (self.q.astype(jnp.float32) * self.scale[..., None, :]).astype(dtype)
+
+
+@jax.jit
+def quantize_fp8(w: jax.Array) -> Fp8Weight:
+    """w [..., in, out] -> Fp8Weight with one scale per output column."""
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=-2)  # [..., out]
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)  # an all-zero column keeps scale 1
+    q = (w32 / scale[..., None, :]).astype(FP8)  # [..., in, out]
+    return Fp8Weight(q, scale)
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] in x's dtype, for a plain or an Fp8Weight
+    matrix. The 8-bit matrix is converted in the program (XLA may fuse the convert into the
+    matmul's operand read) and the scales multiply the float32 output columns."""
+    if not isinstance(w, Fp8Weight):
+        return jnp.dot(x, w)
+    y = jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)  # [..., out]
+    return (y * w.scale).astype(x.dtype)
+
+
+def stack(parts) -> jax.Array | Fp8Weight:
+    """G matrices of one kind -> one [G, ...] matrix, plain or Fp8Weight."""
+    if isinstance(parts[0], Fp8Weight):
+        return Fp8Weight(jnp.stack([p.q for p in parts]), jnp.stack([p.scale for p in parts]))
+    return jnp.stack(parts)
+
+
+def quantize_params(params, *, delete_source: bool = False):
+    """ModelParams with the dense layers' matrices (QUANTIZED_MATRICES) as Fp8Weight, in any
+    layer form (per layer, groups, one stack) and sharding (each matrix's quantized arrays
+    keep its layout: the scale that of its output axis). With `delete_source` (weights the
+    engine loaded itself), each matrix is deleted as soon as its 8-bit copy exists, so the
+    memory peak is the weights plus one matrix. Already quantized matrices stay as they are."""
+    from jaxoverlap.models.params import LayerParams
+
+    def layer(l: LayerParams) -> LayerParams:
+        if l.w_router is not None:
+            raise ValueError("quantization='fp8' covers dense models; this model's MLP is a mixture of experts, "
+                             "whose expert matrices stay in the model's dtype: leave quantization off")
+        out = {}
+        for name in QUANTIZED_MATRICES:
+            w = getattr(l, name)
+            if isinstance(w, Fp8Weight):
+                continue
+            out[name] = quantize_fp8(w)
+            if delete_source:
+                jax.block_until_ready(out[name])
+                w.delete()
+        return dataclasses.replace(l, **out)
+
+    layers = params.layers
+    new = layer(layers) if isinstance(layers, LayerParams) else tuple(layer(l) for l in layers)
+    return dataclasses.replace(params, layers=new)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def dequantize_params(params, dtype=jnp.float32):
+    """The weights an Fp8Weight tree stands for, as plain matrices of `dtype` (tests and
+    reference checks)."""
+    return jax.tree.map(lambda w: w.dequantized(dtype) if isinstance(w, Fp8Weight) else w, params,
+                        is_leaf=lambda w: isinstance(w, Fp8Weight))
