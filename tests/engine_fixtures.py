@@ -26,14 +26,15 @@ def tiny_params(cfg: ModelConfig, seed: int = 0):
     return dummy_params(cfg, jnp.float32, seed)
 
 
-def make_engine(cfg: ModelConfig | None = None, tokenizer=None, **options) -> Engine:
+def make_engine(cfg: ModelConfig | None = None, tokenizer=None, params=None, **options) -> Engine:
+    """An engine over `params` (default: cfg's tiny dummy weights)."""
     cfg = cfg or tiny_config()
     opts = dict(dtype="float32", page_size=4, max_running_requests=8, max_context_len=128,
                 chunked_prefill_size=32, kv_cache_tokens=512, batch_buckets=(1, 2, 4, 8))
     opts.update(options)
     drafter = {k: opts.pop(k) for k in ("draft_model_config", "draft_params") if k in opts}  # Engine's, not options
     return Engine(EngineConfig.from_options("/nonexistent-model", **opts), model_config=cfg,
-                  params=tiny_params(cfg), tokenizer=tokenizer, **drafter)
+                  params=tiny_params(cfg) if params is None else params, tokenizer=tokenizer, **drafter)
 
 
 def run_workload(engine: Engine, arrivals: dict, max_steps: int = 20000) -> dict:

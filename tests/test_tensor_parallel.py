@@ -77,6 +77,15 @@ def test_tp_greedy_matches_single_device():
     np.testing.assert_allclose([[lp for _, lp in a] for a in two["top"]], [[lp for _, lp in a] for a in one["top"]],
                                atol=1e-4)
     np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-4)
+    # FP8 weights quantized on the mesh: TP=1's tokens; column-parallel matrices split their
+    # scales with their columns, row-parallel ones keep them whole.
+    assert out["fp8-2"]["tokens"] == out["fp8-1"]["tokens"]
+    assert out["fp8-1"]["tokens"] != out["None-1"]["tokens"]  # the 8-bit weights are another model
+    specs = out["fp8-2"]["specs"]
+    for name in ("wqkv", "w_gate_up"):
+        assert specs[name] == [[None, "tp"], ["tp"]], (name, specs)
+    for name in ("wo", "w_down"):
+        assert specs[name][0] == ["tp", None] and "tp" not in specs[name][1], (name, specs)
     # TP=2 ran after warmup(prefill=True, prompt_logprobs=True): every prefill launch, the
     # scoring ones included, found its executable compiled under the mesh.
     assert any(scoring for scoring, _ in two["lookups"]) and all(found for _, found in two["lookups"]), two["lookups"]

@@ -183,6 +183,18 @@ def main():
                                         "penalized": finals["p"].token_ids, "top": top}
     out["prompt-logprobs-2"]["lookups"] = lookups
     seconds["prompt-logprobs"] = round(time.perf_counter() - t0, 1)
+    # FP8 weights (EngineConfig.quantization) quantized on the mesh: each 8-bit matrix keeps
+    # its weight's sharding, its scales that of the weight's output axis.
+    t0 = time.perf_counter()
+    for tp in (1, 2):
+        eng = make_engine(cfg, tensor_parallel_size=tp, quantization="fp8", **xla)
+        finals = run_workload(eng, at_once)
+        lw = layer_at(eng.runner.params, 0)
+        out[f"fp8-{tp}"] = {"tokens": {k: v.token_ids for k, v in sorted(finals.items())},
+                            "specs": {name: [list(getattr(getattr(getattr(lw, name), part).sharding, "spec", ()))
+                                             for part in ("q", "scale")]
+                                      for name in ("wqkv", "wo", "w_gate_up", "w_down")}}
+    seconds["fp8"] = round(time.perf_counter() - t0, 1)
     # Layouts kept across steps (parallel.StateSharding): an untied LM head over a vocabulary
     # the mesh divides splits the logits and with them the penalty history; the Pallas
     # kernels under shard_map split the drafter's cache on heads. Programs compiled by a

@@ -1,0 +1,128 @@
+"""models/quant.py and EngineConfig.quantization='fp8': 8-bit weights with per-column scales."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_fixtures import make_engine, run_workload, tiny_config, tiny_params
+from jaxoverlap.config import EngineConfig
+from jaxoverlap.models.params import layer_at, stack_layers
+from jaxoverlap.models.quant import FP8, Fp8Weight, dequantize_params, linear, quantize_fp8, quantize_params
+from jaxoverlap.models.transformer import dense_logits
+from jaxoverlap.sampling_params import SamplingParams
+
+
+def test_quantize_fp8_keeps_each_column_within_e4m3_rounding():
+    """Each column is scaled to e4m3's range by its own largest magnitude: its values come
+    back within e4m3's relative rounding (3 mantissa bits: 2^-4) of that magnitude, even for
+    columns of very different sizes; an all-zero column stays zero."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 6)).astype(np.float32) * np.array([1e-3, 1.0, 50.0, 1e4, 1.0, 0.0])
+    w[3, 1] = 30.0  # one outlier: costs precision in its column only
+    qw = quantize_fp8(jnp.asarray(w))
+    assert qw.q.dtype == FP8 and qw.q.shape == (64, 6) and qw.scale.shape == (6,) and qw.scale.dtype == jnp.float32
+    back = np.asarray(qw.dequantized())
+    col_max = np.abs(w).max(axis=0)
+    err = np.abs(back - w)
+    assert np.all(err <= col_max * 2.0 ** -4 + 1e-30), (err / np.maximum(col_max, 1e-30)).max(axis=0)
+    assert np.all(back[:, 5] == 0) and float(qw.scale[5]) == 1.0
+    # The outlier's column lost more than its neighbours of the same size (the check can fail).
+    assert err[:, 1].max() > err[:, 4].max()
+    np.testing.assert_allclose(np.abs(back).max(axis=0), col_max, rtol=1e-6)  # each column's largest is exact
+
+
+def test_linear_is_the_dequantized_matmul():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((3, 5, 32)), jnp.float32)
+    qw = quantize_fp8(jnp.asarray(rng.standard_normal((32, 48)), jnp.float32))
+    got = linear(x, qw)
+    assert got.shape == (3, 5, 48) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ qw.dequantized()), rtol=1e-5, atol=1e-5)
+    # bf16 activations stay bf16.
+    assert linear(x.astype(jnp.bfloat16), qw).dtype == jnp.bfloat16
+
+
+def test_quantized_params_in_every_layer_form():
+    """quantize_params turns the dense layers' four matrices into Fp8Weight and nothing
+    else; stacking and layer_at read them; the forward equals the dequantized weights'."""
+    cfg = tiny_config()
+    params = tiny_params(cfg)
+    q = quantize_params(params)
+    for i in range(cfg.num_layers):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            w, orig = getattr(q.layers[i], name), getattr(params.layers[i], name)
+            assert isinstance(w, Fp8Weight) and w.shape == orig.shape
+            assert w.nbytes < orig.nbytes // 3  # float32 -> 1 byte per weight plus a scale per column
+    assert q.embed is params.embed and q.attn_norm is params.attn_norm
+    ids = jnp.arange(1, 20, dtype=jnp.int32)
+    want = dense_logits(dequantize_params(q), cfg, ids)
+    got = dense_logits(q, cfg, ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    # Quantization does change the model (so the comparisons above can fail).
+    assert float(jnp.max(jnp.abs(dense_logits(params, cfg, ids) - got))) > 1e-2
+    for group in (None, 2):  # one stack, groups of two layers: [G, in, out] 8-bit, [G, out] scales
+        stacked = stack_layers(q, group_size=group)
+        first = stacked.layers if group is None else stacked.layers[0]
+        assert isinstance(first.wqkv, Fp8Weight) and first.wqkv.scale.ndim == 2
+        np.testing.assert_array_equal(np.asarray(layer_at(stacked, 1).wo.q.astype(jnp.float32)),
+                                      np.asarray(q.layers[1].wo.q.astype(jnp.float32)))
+        np.testing.assert_allclose(np.asarray(dense_logits(stacked, cfg, ids)), np.asarray(got), atol=1e-5)
+    # Quantizing twice changes nothing.
+    again = quantize_params(q)
+    assert again.layers[0].wqkv is q.layers[0].wqkv
+
+
+def test_engine_fp8_generates_as_its_dequantized_weights():
+    """EngineConfig.quantization='fp8': the engine serves the 8-bit weights (per layer, and
+    stacked in groups with a warm-up), with the greedy tokens of the same weights
+    dequantized into float32 matrices."""
+    cfg = tiny_config()
+    g = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", [1, 2, 3, 4, 5], g), ("b", [7, 8, 9], g)], 3: [("c", list(range(10, 40)), g)]}
+    fp8 = make_engine(cfg, quantization="fp8")
+    assert isinstance(fp8.runner.params.layers[0].wqkv, Fp8Weight)
+    got = run_workload(fp8, arrivals)
+    reference = make_engine(cfg, params=dequantize_params(fp8.runner.params))
+    want = run_workload(reference, arrivals)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+    plain = run_workload(make_engine(cfg), arrivals)
+    assert {k: v.token_ids for k, v in plain.items()} != {k: v.token_ids for k, v in got.items()}
+    grouped = make_engine(cfg, quantization="fp8", layers_per_weight_stack=2, batch_buckets=(4,), max_context_len=64)
+    assert isinstance(grouped.runner.params.layers[0].wqkv, Fp8Weight) and grouped.runner.params.layers[0].wqkv.ndim == 3
+    grouped.warmup()
+    assert {k: v.token_ids for k, v in run_workload(grouped, arrivals).items()} == {
+        k: v.token_ids for k, v in got.items()}
+
+
+def test_quantization_option_and_its_refusals():
+    assert EngineConfig(quantization="none").quantization is None
+    with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
+        EngineConfig(quantization="int4")
+    moe = tiny_config(num_experts=4, experts_per_token=2)
+    with pytest.raises(ValueError, match="mixture of experts"):
+        make_engine(moe, quantization="fp8")
+    with pytest.raises(ValueError, match="mixture of experts"):
+        quantize_params(tiny_params(moe))
+
+
+def test_cli_quantization_flag():
+    import argparse
+
+    from jaxoverlap.cli import add_engine_args, engine_options
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_options(p.parse_args(["--quantization", "fp8"]))["quantization"] == "fp8"
+    assert engine_options(p.parse_args([]))["quantization"] is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "int8"])
+
+
+def test_runner_programs_are_keyed_by_the_weights_form():
+    """Swapping a runner's weights for their 8-bit copy (as decode_bench's fp8 variant does)
+    takes other programs, not the plain weights' executables."""
+    eng = make_engine(tiny_config(), batch_buckets=(2,), max_context_len=64)
+    plain_key = eng.runner._layout_key()
+    eng.runner.params = quantize_params(eng.runner.params)
+    assert eng.runner._layout_key() != plain_key
