@@ -74,9 +74,9 @@ def test_quantized_params_in_every_layer_form():
 
 
 def test_engine_fp8_generates_as_its_dequantized_weights():
-    """EngineConfig.quantization='fp8': the engine serves the 8-bit weights (per layer, and
-    stacked in groups with a warm-up), with the greedy tokens of the same weights
-    dequantized into float32 matrices."""
+    """EngineConfig.quantization='fp8': the engine serves the 8-bit weights (per layer,
+    stacked in groups with a warm-up, and as the target of an EAGLE drafter), with the greedy
+    tokens of the same weights dequantized into float32 matrices."""
     cfg = tiny_config()
     g = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     arrivals = {0: [("a", [1, 2, 3, 4, 5], g), ("b", [7, 8, 9], g)], 3: [("c", list(range(10, 40)), g)]}
@@ -92,6 +92,10 @@ def test_engine_fp8_generates_as_its_dequantized_weights():
     assert isinstance(grouped.runner.params.layers[0].wqkv, Fp8Weight) and grouped.runner.params.layers[0].wqkv.ndim == 3
     grouped.warmup()
     assert {k: v.token_ids for k, v in run_workload(grouped, arrivals).items()} == {
+        k: v.token_ids for k, v in got.items()}
+    # Speculative decoding verifies with the 8-bit target: greedy tokens unchanged.
+    eagle = make_engine(cfg, quantization="fp8", speculative_algorithm="eagle")
+    assert {k: v.token_ids for k, v in run_workload(eagle, arrivals).items()} == {
         k: v.token_ids for k, v in got.items()}
 
 
