@@ -8,7 +8,8 @@ weights held as:
 
 - bf16: the baseline;
 - fp8_channel / int8_channel: 8-bit weights with one scale per output column, applied to
-  the matmul's output (`(x @ w.astype(bf16)) * s`), so only a convert sits on the operand;
+  the matmul's float32 output (models/quant.py's `linear`, what the engine's
+  quantization="fp8" runs), so only a convert sits on the operand;
 - fp8_block: 8-bit weights with one scale per 128 x 128 block (the layout of fine-grained
   FP8 checkpoints such as Qwen3-8B-FP8), dequantized in the program before the matmul;
 - fp8_fp8: the activations quantized too (one dynamic scale per row), an fp8 x fp8 matmul.
@@ -31,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median, print_table  # noqa: E402
+from common import ensure_importable, median, print_table  # noqa: E402
 
 QWEN3_8B = dict(layers=36, hidden=4096, qkv=6144, attn=4096, ffn=12288)
 TINY = dict(layers=2, hidden=256, qkv=384, attn=256, ffn=512)
@@ -71,8 +72,10 @@ def make_weights(jax, jnp, shape, fmt, key):
 def matmul(jnp, x, w, fmt):
     if fmt == "bf16":
         return x @ w["w"]
-    if fmt in ("fp8_channel", "int8_channel"):
-        return (x @ w["w"].astype(x.dtype)) * w["s"].astype(x.dtype)
+    if fmt in ("fp8_channel", "int8_channel"):  # the engine's FP8 matmul (quantization="fp8")
+        from jaxoverlap.models.quant import Fp8Weight, linear
+
+        return linear(x, Fp8Weight(w["w"], w["s"]))
     if fmt == "fp8_block":
         rows, cols = w["w"].shape
         scale = jnp.repeat(jnp.repeat(w["s"], BLOCK, axis=0), BLOCK, axis=1)  # [Rb, Cb] -> [rows, cols]
@@ -160,8 +163,10 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    ensure_importable()
     rows = child(args)
-    print_table(rows, ["format", "batch", "weight_gb", "period_ms", "gb_per_s", "vs_bf16", "rel_err", "kernels", "error"])
+    print_table(rows, ["format", "batch", "weight_gb", "period_ms", "gb_per_s", "vs_bf16", "rel_err", "kernels",
+                       "error"])
     if args.out:
         import jax
         with open(args.out, "w") as f:

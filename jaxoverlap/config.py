@@ -175,8 +175,9 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             raise ValueError(f"dtype must be 'auto', 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
-        if self.quantization is not None and self.quantization.lower() in ("none", ""):
-            object.__setattr__(self, "quantization", None)
+        if self.quantization is not None:
+            quantization = self.quantization.lower()
+            object.__setattr__(self, "quantization", None if quantization in ("none", "") else quantization)
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8' (8-bit weights), got {self.quantization!r}")
         if self.attention_backend not in ("auto", "xla", "pallas"):

@@ -344,6 +344,8 @@ class Engine:
             # After stacking and sharding: each 8-bit matrix keeps its weight's form and layout.
             # Before the KV cache is sized, so that the memory freed goes to the cache.
             params = quantize_params(params, delete_source=owns_params)
+            if self.mesh is not None:  # each 8-bit matrix and its scales where parallel.py's table puts them
+                params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
         attention = self._attention_fn()  # None: the XLA gather path
         if self.mesh is not None:
             # The layouts the steps' computations give these arrays (parallel.py's table).

@@ -25,7 +25,7 @@ from jaxoverlap import interrupts, steps
 from jaxoverlap.buckets import PrefillShapes, pick, powers_of_two_up_to
 from jaxoverlap.device_state import DeviceState
 from jaxoverlap.models.config import ModelConfig
-from jaxoverlap.models.params import ModelParams, layer_at, layers_per_stack
+from jaxoverlap.models.params import LayerParams, ModelParams, layers_per_stack
 from jaxoverlap.penalties import MAX_STOP_IDS, NEUTRAL, PrefillPenaltyInputs
 from jaxoverlap.sampling_params import MAX_LOGIT_BIAS
 from jaxoverlap.scheduler import ScheduledBatch
@@ -556,8 +556,10 @@ class ModelRunner:
     def _layout_key(self) -> tuple:
         # The weights' layout: a benchmark may swap `params` for another layout.
         if self._layout_of is None or self._layout_of[0] is not self.params:
-            self._layout_of = (self.params, (layers_per_stack(self.params), type(self.params.layers),
-                                             type(layer_at(self.params, 0).wqkv)))  # plain or FP8 (models/quant.py)
+            layers = self.params.layers
+            first = layers if isinstance(layers, LayerParams) else layers[0]
+            self._layout_of = (self.params, (layers_per_stack(self.params), type(layers),
+                                             type(first.wqkv)))  # plain or FP8 (models/quant.py)
         return self._layout_of[1]
 
     def _program_key(self, B: int, host_drafts: bool, ctx_len: int, sampling: bool, draft: bool,

@@ -174,7 +174,7 @@ def load_eagle_head(path: str, target: ModelConfig, dtype) -> tuple[ModelConfig,
     fp8_block = _checkpoint_fp8_block(path)  # an FP8 head's weights are multiplied out as a model's
 
     def matrix(*names: str, transpose: bool = True) -> jax.Array:
-        parts = tuple(_read_part(reader, n, None, transpose, fp8_block) for n in names)
+        parts = tuple(_read_part(reader, n, None, transpose, fp8_block, dtype) for n in names)
         return _to_param(parts, transpose=transpose, dtype=dtype)
 
     def optional(name: str, transpose: bool = False):

@@ -209,23 +209,24 @@ def _fp8_scale_tile(name: str, w_shape, s_shape, block) -> tuple[int, int] | Non
                           f"one scale, one per output row, nor one per {list(block) if block else 'block'} tile")
 
 
-@functools.partial(jax.jit, static_argnames=("tile",))
-def _dequantize_fp8(w: jax.Array, scale: jax.Array, *, tile) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("tile", "dtype"))
+def _dequantize_fp8(w: jax.Array, scale: jax.Array, *, tile, dtype) -> jax.Array:
     """An FP8 checkpoint's weight [out, in] multiplied out by its scale (`_fp8_scale_tile`
-    says how it covers the weight), in float32: what transformers computes to dequantize."""
+    says how it covers the weight) in float32, as transformers dequantizes, then rounded once
+    to `dtype` (the weight's: so a MoE layer's many parts wait for their stack at its size)."""
     s = scale.astype(jnp.float32)
     if tile is None:
         s = s.reshape(-1, 1) if s.size > 1 else s.reshape(())  # [out] | [out, 1] -> [out, 1]
     else:
         s = jnp.repeat(jnp.repeat(s, tile[0], axis=0), tile[1], axis=1)  # [So, Si] -> [So * b_out, Si * b_in]
         s = s[: w.shape[0], : w.shape[1]]  # -> [out, in]: the last tiles may overhang
-    return w.astype(jnp.float32) * s
+    return (w.astype(jnp.float32) * s).astype(dtype)
 
 
-def _read_part(reader: SafetensorsReader, name: str, target, transpose: bool, fp8_block) -> jax.Array:
-    """Checkpoint tensor `name` on its way to a weight of sharding `target`, as `_put_part`
-    puts it; an FP8 weight arrives multiplied out by its scale (`<name>_scale_inv` or
-    `<name>_scale`), in float32. The 8-bit tensor travels, and the device dequantizes it."""
+def _read_part(reader: SafetensorsReader, name: str, target, transpose: bool, fp8_block, dtype) -> jax.Array:
+    """Checkpoint tensor `name` on its way to a weight of sharding `target` and `dtype`, as
+    `_put_part` puts it; an FP8 weight arrives multiplied out by its scale (`<name>_scale_inv`
+    or `<name>_scale`), in `dtype`. The 8-bit tensor travels, and the device dequantizes it."""
     x = reader.get(name)
     if x.dtype not in _FP8_DTYPES:
         return _put_part(x, target, transpose)
@@ -237,14 +238,15 @@ def _read_part(reader: SafetensorsReader, name: str, target, transpose: bool, fp
     # The scale goes whole to every device that holds part of the weight.
     scale = jax.device_put(scale, None if target is None else jax.sharding.NamedSharding(
         target.mesh, jax.sharding.PartitionSpec()))
-    return _dequantize_fp8(_put_part(x, target, transpose), scale, tile=tile)
+    return _dequantize_fp8(_put_part(x, target, transpose), scale, tile=tile, dtype=jnp.dtype(dtype))
 
 
 def scale_owner(name: str) -> str | None:
     """The weight whose scale tensor `name` is (an FP8 checkpoint's `<w>_scale_inv` or
-    `<w>_scale`, a static scheme's `<module>.input_scale`), or None for any other tensor."""
+    `<w>_scale`, a static scheme's `<module>.input_scale`, an FP8 KV cache's
+    `self_attn.k_scale` / `v_scale`), or None for any other tensor."""
     for suffix, weight in ((".weight_scale_inv", ".weight"), (".weight_scale", ".weight"),
-                           (".input_scale", ".weight")):
+                           (".input_scale", ".weight"), (".k_scale", ".k_proj.weight"), (".v_scale", ".v_proj.weight")):
         if name.endswith(suffix):
             return name[: -len(suffix)] + weight
     return None
@@ -411,7 +413,7 @@ def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, sha
 
     def matrix(*names: str, sharding, transpose: bool = True, blocks=(), shards: int = 1) -> jax.Array:
         # One transfer per tensor; the host copy is dropped as soon as it is on the device.
-        parts = tuple(_read_part(reader, n, sharding, transpose, fp8_block) for n in names)
+        parts = tuple(_read_part(reader, n, sharding, transpose, fp8_block, dtype) for n in names)
         return _place(_to_param(parts, transpose=transpose, dtype=dtype, blocks=blocks, shards=shards,
                                 sharding=sharding), sharding)
 
@@ -433,7 +435,8 @@ def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, sha
         # [E, in, out] target that it becomes.
         part_target = None if sharding is None else jax.sharding.NamedSharding(
             sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:]))
-        parts = tuple(tuple(_read_part(reader, name(e), part_target, True, fp8_block) for e in range(cfg.num_experts))
+        parts = tuple(tuple(_read_part(reader, name(e), part_target, True, fp8_block, dtype)
+                            for e in range(cfg.num_experts))
                       for name in names_of)
         return _place(_to_expert_param(parts, dtype=dtype, sharding=sharding, **layout), sharding)
 

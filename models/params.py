@@ -256,7 +256,11 @@ def relayout(params, cfg: ModelConfig, tp: int):
         return params
 
     def convert(x, sizes, have, want):
-        return x if have == want or x is None else _relayout_one(x, sizes, have, want)
+        if have == want or x is None:
+            return x
+        if isinstance(x, quant.Fp8Weight):  # its scales [.., out] permute with its columns
+            return quant.Fp8Weight(_relayout_one(x.q, sizes, have, want), _relayout_one(x.scale, sizes, have, want))
+        return _relayout_one(x, sizes, have, want)
 
     new_layers = tuple(
         dataclasses.replace(

@@ -57,7 +57,12 @@ class Fp8Weight:
         return self.q.nbytes + self.scale.nbytes
 
     def __getitem__(self, i) -> "Fp8Weight":
-        """A static slice on the leading axis: layer i of stacked weights."""
+        """A static index or slice on the leading axis of stacked weights ([G, in, out]):
+        layer i's matrix. (On one matrix an index would pick rows of `q` but columns'
+        scales, so it is refused.)"""
+        if self.q.ndim < 3 or not isinstance(i, (int, slice)):
+            raise TypeError(f"an Fp8Weight of shape {self.shape} takes an index on its leading (layer) axis "
+                            f"of stacked weights only, not {i!r}")
         return Fp8Weight(self.q[i], self.scale[i])
 
     def delete(self) -> None:

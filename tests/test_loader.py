@@ -550,7 +550,7 @@ def test_fp8_quantization_configs():
         "e5m2 weights": {"quant_method": "fp8", "fmt": "e5m2"},
         "a block that is not two sizes": {"quant_method": "fp8", "weight_block_size": [128]},
         "a zero block": {"quant_method": "fp8", "weight_block_size": [0, 128]},
-        "int8 weights": compressed(strategy="channel", num_bits=4),
+        "4-bit float weights": compressed(strategy="channel", num_bits=4),
         "int weights": {**compressed(strategy="channel"), "config_groups": {"g": {"weights": {"num_bits": 8,
                                                                                            "type": "int"}}}},
         "group strategy": compressed(strategy="group", group_size=128),

@@ -68,6 +68,9 @@ def test_quantized_params_in_every_layer_form():
         np.testing.assert_array_equal(np.asarray(layer_at(stacked, 1).wo.q.astype(jnp.float32)),
                                       np.asarray(q.layers[1].wo.q.astype(jnp.float32)))
         np.testing.assert_allclose(np.asarray(dense_logits(stacked, cfg, ids)), np.asarray(got), atol=1e-5)
+    # An index picks a layer of stacked weights; on one matrix it would mix rows and columns.
+    with pytest.raises(TypeError, match="leading"):
+        q.layers[0].wqkv[0]
     # Quantizing twice changes nothing.
     again = quantize_params(q)
     assert again.layers[0].wqkv is q.layers[0].wqkv
@@ -89,7 +92,8 @@ def test_engine_fp8_generates_as_its_dequantized_weights():
     plain = run_workload(make_engine(cfg), arrivals)
     assert {k: v.token_ids for k, v in plain.items()} != {k: v.token_ids for k, v in got.items()}
     grouped = make_engine(cfg, quantization="fp8", layers_per_weight_stack=2, batch_buckets=(4,), max_context_len=64)
-    assert isinstance(grouped.runner.params.layers[0].wqkv, Fp8Weight) and grouped.runner.params.layers[0].wqkv.ndim == 3
+    first = grouped.runner.params.layers[0].wqkv
+    assert isinstance(first, Fp8Weight) and first.ndim == 3
     grouped.warmup()
     assert {k: v.token_ids for k, v in run_workload(grouped, arrivals).items()} == {
         k: v.token_ids for k, v in got.items()}

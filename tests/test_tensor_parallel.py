@@ -80,6 +80,7 @@ def test_tp_greedy_matches_single_device():
     # FP8 weights quantized on the mesh: TP=1's tokens; column-parallel matrices split their
     # scales with their columns, row-parallel ones keep them whole.
     assert out["fp8-2"]["tokens"] == out["fp8-1"]["tokens"]
+    assert out["fp8-given-2"]["tokens"] == out["fp8-1"]["tokens"]  # quantized by the caller, relaid out
     assert out["fp8-1"]["tokens"] != out["None-1"]["tokens"]  # the 8-bit weights are another model
     specs = out["fp8-2"]["specs"]
     for name in ("wqkv", "w_gate_up"):

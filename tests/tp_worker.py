@@ -16,10 +16,11 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from engine_fixtures import make_engine, run_workload, tiny_config  # noqa: E402
+from engine_fixtures import make_engine, run_workload, tiny_config, tiny_params  # noqa: E402
 from jaxoverlap import engine as engine_module  # noqa: E402
 from jaxoverlap import parallel  # noqa: E402
 from jaxoverlap.models.params import layer_at, layers_per_stack, relayout, stack_layers  # noqa: E402
+from jaxoverlap.models.quant import quantize_params  # noqa: E402
 from jaxoverlap.models.transformer import dense_logits, forward  # noqa: E402
 from jaxoverlap.sampling_params import SamplingParams  # noqa: E402
 
@@ -194,6 +195,10 @@ def main():
                             "specs": {name: [list(getattr(getattr(getattr(lw, name), part).sharding, "spec", ()))
                                              for part in ("q", "scale")]
                                       for name in ("wqkv", "wo", "w_gate_up", "w_down")}}
+    # Weights quantized by the caller in the one-device layout: converted to the mesh's
+    # per-shard columns (models/params.relayout), scales with their columns.
+    eng = make_engine(cfg, params=quantize_params(tiny_params(cfg)), tensor_parallel_size=2, **xla)
+    out["fp8-given-2"] = {"tokens": {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())}}
     seconds["fp8"] = round(time.perf_counter() - t0, 1)
     # Layouts kept across steps (parallel.StateSharding): an untied LM head over a vocabulary
     # the mesh divides splits the logits and with them the penalty history; the Pallas
