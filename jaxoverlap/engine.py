@@ -291,6 +291,7 @@ class Engine:
                 load_format=config.load_format, seed=config.seed, cache_dir=config.weights_cache_dir,
                 tensor_parallel_size=config.tensor_parallel_size,  # per-shard qkv / gate_up columns
                 shardings=shardings,
+                quantization=config.quantization,  # each layer quantized as it loads
             )
         group = config.layers_per_weight_stack
         if group is None:
@@ -341,7 +342,8 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.params = parallel.replicate(self.drafter.params, self.mesh)
         if config.quantization == "fp8":
-            # After stacking and sharding: each 8-bit matrix keeps its weight's form and layout.
+            # Weights the caller passed (the loader quantized its own, layer by layer): after
+            # stacking and sharding, each 8-bit matrix keeps its weight's form and layout.
             # Before the KV cache is sized, so that the memory freed goes to the cache.
             params = quantize_params(params, delete_source=owns_params)
             if self.mesh is not None:  # each 8-bit matrix and its scales where parallel.py's table puts them

@@ -38,6 +38,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from jaxoverlap.models import quant
 from jaxoverlap.models.config import CheckpointError, ModelConfig, fp8_weight_block, read_json
 from jaxoverlap.models.params import (
     LayerParams,
@@ -252,6 +253,16 @@ def scale_owner(name: str) -> str | None:
     return None
 
 
+def _quantized(layer: LayerParams, quantization: str | None) -> LayerParams:
+    """A layer just loaded, quantized right away (models/quant.py) where asked: the model
+    then never sits on the device in full precision, so one that fits only in 8 bits loads."""
+    if quantization is None:
+        return layer
+    if quantization != "fp8":
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    return quant.quantize_layer(layer, delete_source=True)
+
+
 def _checkpoint_fp8_block(model_path: str):
     """The scale tile of an FP8 checkpoint's weights (models/config.py: fp8_weight_block); None
     for one scale per weight or per row, and for a checkpoint that is not quantized."""
@@ -403,7 +414,8 @@ def _check_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, prefix: str, 
         logger.warning("ignoring %d unexpected tensors in %s, e.g. %s", len(extra), where, extra[:4])
 
 
-def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, shardings=None) -> ModelParams:
+def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, shardings=None,
+                      quantization: str | None = None) -> ModelParams:
     reader = SafetensorsReader(safetensors_files(model_path))
     prefix = _name_prefix(reader)
     _check_checkpoint(reader, cfg, prefix, model_path)
@@ -465,12 +477,12 @@ def _load_safetensors(model_path: str, cfg: ModelConfig, dtype, tp: int = 1, sha
                                  sharding=s.w_gate_up, blocks=gate_up_sizes(cfg), shards=gate_up_shards),
                 w_down=matrix(names.down(None), sharding=s.w_down),  # [F, D]
             )
-        layers.append(LayerParams(
+        layers.append(_quantized(LayerParams(
             wqkv=matrix(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"),  # [D, (H + 2KVH) * HD]
                         sharding=s.wqkv, blocks=qkv_sizes(cfg), shards=qkv_shards),
             wo=matrix(p + "self_attn.o_proj.weight", sharding=s.wo),  # [H * HD, D]
             qkv_shards=qkv_shards, gate_up_shards=gate_up_shards, **mlp,
-        ))
+        ), quantization))
     bqkv = None
     if cfg.qkv_bias:
         rows = np.stack([qkv_bias(i) for i in range(cfg.num_layers)])  # [L, (H + 2KVH) * HD]
@@ -578,10 +590,11 @@ def _full(*, shape, dtype, value: float, sharding=None) -> jax.Array:
     return _constrain(jnp.full(shape, value, dtype), sharding)
 
 
-def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, tp: int = 1, shardings=None) -> ModelParams:
+def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, tp: int = 1, shardings=None,
+                 quantization: str | None = None) -> ModelParams:
     """Random weights from the config alone, generated on the device; the same model for the
-    same seed, in the fused-column layout of tensor-parallel size `tp`. shardings: as
-    load_params' (each weight made in place on its devices)."""
+    same seed, in the fused-column layout of tensor-parallel size `tp`. shardings,
+    quantization: as load_params' (each weight made in place on its devices)."""
     dtype = jnp.dtype(dtype)
     L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     where = _Shardings(shardings)
@@ -591,8 +604,8 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, tp: int = 1, shardings=
         s = where.layer(i)
         made = _dummy_layer(jax.random.fold_in(k_layers, i), cfg, dtype, tp,
                             tuple(getattr(s, name) for name in _DUMMY_FIELDS))
-        return dataclasses.replace(made, **{name: _place(getattr(made, name), getattr(s, name))
-                                            for name in _DUMMY_FIELDS})
+        return _quantized(dataclasses.replace(made, **{name: _place(getattr(made, name), getattr(s, name))
+                                                       for name in _DUMMY_FIELDS}), quantization)
 
     def matrix(key, shape, name: str) -> jax.Array:
         s = where.get(name)
@@ -713,6 +726,7 @@ def load_params(
     cache_dir: str | None = None,
     tensor_parallel_size: int = 1,
     shardings=None,
+    quantization: str | None = None,
 ) -> ModelParams:
     """Weights of `cfg` as a `ModelParams`, every array of `dtype`, on the default device or
     in `shardings`.
@@ -728,26 +742,30 @@ def load_params(
     per layer; parallel.param_shardings), or None for the default device. Each weight is
     then made in place on its devices, read from the file in parts: no device ever holds a
     whole weight that its sharding splits, so a model larger than one device's memory loads.
+    quantization: "fp8" quantizes each dense layer's matrices as soon as the layer is loaded
+    (models/quant.py), so the model never sits on the device in `dtype`. With `cache_dir`
+    the cache holds the `dtype` weights, which are quantized after the save or the restore.
     """
     dtype = jnp.dtype(dtype)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     tp = tensor_parallel_size
     if load_format == "dummy":
-        return dummy_params(cfg, dtype, seed, tp, shardings)
+        return dummy_params(cfg, dtype, seed, tp, shardings, quantization)
     files = safetensors_files(model_path)
     cached = cache_path(cache_dir, model_path, dtype, files, layout_shards(cfg, tp)) if cache_dir else None
     if cached and os.path.isdir(cached):
         try:
             params = _restore_cached(cached, cfg, dtype, tp, shardings)
             logger.info("restored converted weights from %s", cached)
-            return params
+            return quant.quantize_params(params, delete_source=True) if quantization else params
         except Exception as e:  # a corrupt or incompatible cache must not block serving
             logger.warning("replacing unreadable weights cache %s: %s", cached, e)
             # Removed, so that the conversion below saves a fresh entry: kept, it would fail
             # every later load the same way and cost a conversion each time.
             shutil.rmtree(cached, ignore_errors=True)
-    params = _load_safetensors(model_path, cfg, dtype, tp, shardings)
+    # A cache to write holds the weights in `dtype`: quantized after the save.
+    params = _load_safetensors(model_path, cfg, dtype, tp, shardings, None if cached else quantization)
     if cached and not os.path.isdir(cached):
         try:
             os.makedirs(os.path.dirname(cached), exist_ok=True)
@@ -759,4 +777,4 @@ def load_params(
             logger.info("saved converted weights to %s", cached)
         except Exception as e:
             logger.warning("could not write weights cache %s: %s", cached, e)
-    return params
+    return quant.quantize_params(params, delete_source=True) if quantization and cached else params

@@ -100,31 +100,39 @@ def stack(parts) -> jax.Array | Fp8Weight:
     return jnp.stack(parts)
 
 
+def quantize_layer(layer, *, delete_source: bool = False):
+    """One LayerParams (or a group or stack of layers) with its QUANTIZED_MATRICES as
+    Fp8Weight; already quantized matrices stay as they are. With `delete_source`, each
+    matrix is deleted as soon as its 8-bit copy exists."""
+    if layer.w_router is not None:
+        raise ValueError("quantization='fp8' covers dense models; this model's MLP is a mixture of experts, "
+                         "whose expert matrices stay in the model's dtype: leave quantization off")
+    out = {}
+    for name in QUANTIZED_MATRICES:
+        w = getattr(layer, name)
+        if isinstance(w, Fp8Weight):
+            continue
+        out[name] = quantize_fp8(w)
+        if delete_source:
+            jax.block_until_ready(out[name])
+            w.delete()
+    return dataclasses.replace(layer, **out)
+
+
 def quantize_params(params, *, delete_source: bool = False):
     """ModelParams with the dense layers' matrices (QUANTIZED_MATRICES) as Fp8Weight, in any
     layer form (per layer, groups, one stack) and sharding (each matrix's quantized arrays
     keep its layout: the scale that of its output axis). With `delete_source` (weights the
     engine loaded itself), each matrix is deleted as soon as its 8-bit copy exists, so the
-    memory peak is the weights plus one matrix. Already quantized matrices stay as they are."""
+    memory peak is the weights plus one matrix. (The loader can quantize each layer as it
+    loads it: load_params' `quantization`.) Already quantized matrices stay as they are."""
     from jaxoverlap.models.params import LayerParams
 
-    def layer(l: LayerParams) -> LayerParams:
-        if l.w_router is not None:
-            raise ValueError("quantization='fp8' covers dense models; this model's MLP is a mixture of experts, "
-                             "whose expert matrices stay in the model's dtype: leave quantization off")
-        out = {}
-        for name in QUANTIZED_MATRICES:
-            w = getattr(l, name)
-            if isinstance(w, Fp8Weight):
-                continue
-            out[name] = quantize_fp8(w)
-            if delete_source:
-                jax.block_until_ready(out[name])
-                w.delete()
-        return dataclasses.replace(l, **out)
-
     layers = params.layers
-    new = layer(layers) if isinstance(layers, LayerParams) else tuple(layer(l) for l in layers)
+    if isinstance(layers, LayerParams):
+        new = quantize_layer(layers, delete_source=delete_source)
+    else:
+        new = tuple(quantize_layer(l, delete_source=delete_source) for l in layers)
     return dataclasses.replace(params, layers=new)
 
 

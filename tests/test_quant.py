@@ -1,6 +1,7 @@
 """models/quant.py and EngineConfig.quantization='fp8': 8-bit weights with per-column scales."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -134,3 +135,36 @@ def test_runner_programs_are_keyed_by_the_weights_form():
     plain_key = eng.runner._layout_key()
     eng.runner.params = quantize_params(eng.runner.params)
     assert eng.runner._layout_key() != plain_key
+
+
+@pytest.mark.parametrize("how", ["safetensors", "dummy", "cache-write", "cache-read"])
+def test_loader_quantizes_each_layer_as_it_loads(hf_checkpoint, tmp_path, monkeypatch, how):
+    """load_params(quantization='fp8') gives the weights quantize_params gives the loaded
+    model, and (loading from the file or drawing dummies) deletes each layer's full-precision
+    matrices as soon as their 8-bit copies exist, so the model never sits on the device in
+    its dtype. With a weights cache, the cache keeps the full-precision weights."""
+    from jaxoverlap.models import loader, quant
+    from jaxoverlap.models.config import ModelConfig
+
+    path = hf_checkpoint("llama")
+    cfg = ModelConfig.from_path(path)
+    opts = {"load_format": "dummy"} if how == "dummy" else {}
+    if how.startswith("cache"):
+        opts["cache_dir"] = str(tmp_path / "cache")
+        if how == "cache-read":
+            loader.load_params(path, cfg, jnp.float32, **opts)  # writes the cache
+    want = quantize_params(loader.load_params(path, cfg, jnp.float32, **({"load_format": "dummy"} if how == "dummy"
+                                                                           else {})))
+    sources = []
+    real = quant.quantize_fp8
+    monkeypatch.setattr(quant, "quantize_fp8", lambda w: sources.append(w) or real(w))
+    got = loader.load_params(path, cfg, jnp.float32, quantization="fp8", **opts)
+    assert len(sources) == 4 * cfg.num_layers and all(w.is_deleted() for w in sources)
+    flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(flat_got) == len(flat_want)
+    for a, b in zip(flat_got, flat_want):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    if how.startswith("cache"):  # the cache restores full precision
+        restored = loader.load_params(path, cfg, jnp.float32, cache_dir=opts["cache_dir"])
+        assert not isinstance(restored.layers[0].wqkv, Fp8Weight)
