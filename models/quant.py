@@ -30,7 +30,6 @@ import jax.numpy as jnp
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 QUANTIZED_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
-QUANTIZATIONS = (None, "fp8")
 
 
 @jax.tree_util.register_dataclass
