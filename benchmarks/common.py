@@ -70,14 +70,14 @@ def step_bytes(params, cfg, batch: int) -> int:
     to reach (E (1 - (1 - k/E)^B) per layer, as if routing were uniform) and everything else."""
     import jax
 
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
     if not cfg.is_moe:
         return total
     from jaxoverlap.models.params import layer_at, num_layers
 
     E, k = cfg.num_experts, cfg.experts_per_token
     layers = [layer_at(params, i) for i in range(num_layers(params))]
-    experts = sum(x.size * x.dtype.itemsize for lw in layers for x in (lw.w_gate_up, lw.w_down))
+    experts = sum(x.nbytes for lw in layers for x in jax.tree.leaves((lw.w_gate_up, lw.w_down)))  # plain or FP8
     reached = E * (1 - (1 - k / E) ** batch)
     return int(total - experts + experts * reached / E)
 

@@ -123,7 +123,7 @@ def main():
                          "EngineConfig.decode_inputs), or with the first executable's turns launched through jit "
                          "instead of as the compiled executable (jit_turns), or (a MoE model) the experts of small "
                          "steps in XLA ops instead of the Pallas expert-matmul kernel (no_expert_kernel), or the "
-                         "dense layers' matrices in FP8 (fp8: EngineConfig.quantization, a second copy of them; "
+                         "layers' matrices in FP8 (fp8: EngineConfig.quantization, a second copy of them; "
                          "its floor is of its own bytes)")
     ap.add_argument("--prompt-len-jitter", type=int, default=0,
                     help="prompts of prompt_len + [0, N) tokens: rows then cross page boundaries on different "

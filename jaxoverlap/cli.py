@@ -37,8 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: the dense layers' weight matrices in 8 bits with a scale per output column (half "
-                        "their memory and bytes per decode step; activations and the KV cache stay in --dtype)")
+                   help="fp8: the layers' weight matrices (experts too) in 8 bits with a scale per output "
+                        "column (half their memory and bytes per decode step; activations and the KV cache stay "
+                        "in --dtype)")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-context-len", type=int, default=None)

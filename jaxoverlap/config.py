@@ -20,7 +20,7 @@ class EngineConfig:
     model: str | None = None  # checkpoint folder; None means the embedded default model
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config.json)
     dtype: str = "auto"  # "auto" (bfloat16 on GPU, float32 on CPU) | "bfloat16" | "float32"
-    # None | "fp8": the dense layers' weight matrices in 8 bits with a scale per output column
+    # None | "fp8": the layers' weight matrices (experts too) in 8 bits with a scale per output column
     # (models/quant.py): half their memory and bytes per step; activations stay in `dtype`.
     quantization: str | None = None
     seed: int = 0  # for dummy weights and for requests without a seed

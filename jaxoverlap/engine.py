@@ -271,9 +271,6 @@ class Engine:
         self.model_path = model_path
         self.model_name = os.path.basename(os.path.normpath(model_path)) if config.model else "jaxoverlap-default"
         self.model_config = model_config or ModelConfig.from_path(model_path)
-        if config.quantization and self.model_config.is_moe:  # before loading it (models/quant.py)
-            raise ValueError(f"quantization={config.quantization!r} covers dense models; this model's MLP is a "
-                             "mixture of experts, whose expert matrices stay in the model's dtype")
         self.dtype = _resolve_dtype(config.dtype)
         owns_params = params is None
         self.mesh = None

@@ -46,7 +46,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxoverlap.models.quant import linear
+from jaxoverlap.models.quant import Fp8Weight, batched_linear, index, linear, take
 
 # The plan is the cheapest by a cost model of a layer: bytes moved over the bandwidth plus
 # matmul work over the matmul rate, in units where only their ratio matters. An H200 does
@@ -148,9 +148,9 @@ def _dense(x, weights, experts, w_gate_up, w_down, shards):
     # layout: contracting x [T, D] with w [E, D, 2F] as one GEMM would first transpose every
     # expert's weights to [D, E, 2F], a copy of all of them per step.
     xe = jnp.broadcast_to(x, (E, T, D))  # [T, D] -> [E, T, D]
-    act = swiglu(jnp.einsum("etd,edf->etf", xe, w_gate_up), shards)  # [E, T, F]
+    act = swiglu(batched_linear("etd,edf->etf", xe, w_gate_up), shards)  # [E, T, F]
     act = act * combine.T[:, :, None]  # the weight before the down projection (it is linear)
-    y = jnp.einsum("etf,efd->etd", act, w_down, preferred_element_type=jnp.float32)  # [E, T, D]
+    y = batched_linear("etf,efd->etd", act, w_down, preferred_element_type=jnp.float32)  # [E, T, D]
     return jnp.sum(y, axis=0)  # [T, D]
 
 
@@ -183,9 +183,9 @@ def _grouped(x, weights, experts, w_gate_up, w_down, shards, block: int):
     block_expert = jnp.minimum(block_expert, E - 1)
     x_rows = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[row_token]  # [rows, D]
     x_blocks = x_rows.reshape(n_blocks, block, D)  # [rows, D] -> [n_blocks, b, D]
-    act = swiglu(jnp.einsum("nbd,ndf->nbf", x_blocks, w_gate_up[block_expert]), shards)  # [n_blocks, b, F]
-    act = act * row_weight.reshape(n_blocks, block)[:, :, None]  # [rows] -> [n_blocks, b]
-    y = jnp.einsum("nbf,nfd->nbd", act, w_down[block_expert], preferred_element_type=jnp.float32)
+    gate_up = batched_linear("nbd,ndf->nbf", x_blocks, take(w_gate_up, block_expert))  # [n_blocks, b, 2F]
+    act = swiglu(gate_up, shards) * row_weight.reshape(n_blocks, block)[:, :, None]  # [rows] -> [n_blocks, b]
+    y = batched_linear("nbf,nfd->nbd", act, take(w_down, block_expert), preferred_element_type=jnp.float32)
     y = y.reshape(rows, D)  # [n_blocks, b, D] -> [rows, D]
     # Padding rows land on the extra row T, dropped.
     return jnp.zeros((T + 1, D), jnp.float32).at[row_token].add(y)[:T]
@@ -202,10 +202,13 @@ def _sliced(x, weights, experts, w_gate_up, w_down, shards):
         y = jnp.zeros((D,), jnp.float32)
         for j in range(k):
             e = experts[t, j]
-            w1 = jax.lax.dynamic_index_in_dim(w_gate_up, e, axis=0, keepdims=False)  # [D, 2F]
-            w2 = jax.lax.dynamic_index_in_dim(w_down, e, axis=0, keepdims=False)  # [F, D]
-            act = swiglu(jnp.dot(x[t], w1), shards) * weights[t, j]  # [F]
-            y = y + jnp.dot(act, w2, preferred_element_type=jnp.float32)
+            w1 = index(w_gate_up, e)  # [D, 2F]
+            w2 = index(w_down, e)  # [F, D]
+            act = swiglu(linear(x[t], w1), shards) * weights[t, j]  # [F]
+            if isinstance(w2, Fp8Weight):
+                y = y + jnp.dot(act, w2.q.astype(act.dtype), preferred_element_type=jnp.float32) * w2.scale
+            else:
+                y = y + jnp.dot(act, w2, preferred_element_type=jnp.float32)
         out.append(y)
     return jnp.stack(out)  # T x [D] -> [T, D]
 
@@ -219,8 +222,9 @@ def _default_expert_matmul(x, w, experts, out_dtype=None):
 def kernel_fits(expert_matmul, w_gate_up: jax.Array, w_down: jax.Array) -> bool:
     """Whether the "pallas" plan can run: a kernel given (the Pallas attention backend on one
     device has it; a Pallas call is not partitioned by XLA, so none under a mesh) and the
-    layer's shapes ones it takes."""
-    if expert_matmul is None:
+    layer's shapes ones it takes. Not with 8-bit experts (models/quant.py), which the kernel
+    does not read."""
+    if expert_matmul is None or isinstance(w_gate_up, Fp8Weight):
         return False
     from jaxoverlap.pallas_kernels.expert_matmul import supported
 
@@ -260,6 +264,8 @@ def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None
     if kind == "dense":
         out = _dense(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
     elif kind == "pallas":
+        if isinstance(lw.w_gate_up, Fp8Weight):
+            raise ValueError("the expert-matmul kernel reads bf16 experts, not 8-bit ones (models/quant.py)")
         out = _pallas(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards,
                       expert_matmul or _default_expert_matmul)
     elif kind == "sliced":

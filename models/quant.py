@@ -15,9 +15,13 @@ column precision. FP8 checkpoints whose scales cover 128 x 128 blocks (models/lo
 multiplies those out at load) are quantized again per column here: a second rounding, at
 most half a unit of e4m3's last place more per weight.
 
-The dense layers' matrices (wqkv, wo, w_gate_up, w_down) are quantized; mixture-of-experts
-layers are refused (their experts go through plans and a kernel that take bf16 matrices).
-Leading axes (stacked layers [G, in, out]) carry through: `scale` is then [G, out].
+The layers' matrices are quantized (QUANTIZED_MATRICES): attention, the MLP, and in a
+mixture-of-experts layer every expert's (one scale per expert and column) and the shared
+expert's; the router stays in the model's dtype. The experts' XLA plans (models/moe.py) take
+8-bit experts through `batched_linear`, `take` and `index`; the Pallas expert-matmul kernel
+reads bf16 matrices only, so with 8-bit experts every step runs an XLA plan. Leading axes
+(stacked layers [G, in, out], experts [E, in, out]) carry through: `scale` is then
+[G, out] or [E, out].
 """
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ import jax.numpy as jnp
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
-QUANTIZED_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+# Every matrix a token's hidden state goes through but the router and the shared expert's
+# [D, 1] gate (a MoE layer's w_gate_up / w_down hold its experts: [E, in, out]).
+QUANTIZED_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "w_shared_gate_up", "w_shared_down")
 
 
 @jax.tree_util.register_dataclass
@@ -64,6 +70,16 @@ class Fp8Weight:
                             f"of stacked weights only, not {i!r}")
         return Fp8Weight(self.q[i], self.scale[i])
 
+    def take(self, experts: jax.Array) -> "Fp8Weight":
+        """The matrices of `experts` (an index array into the leading, expert axis): a gather of
+        both the 8-bit matrices and their scales."""
+        return Fp8Weight(self.q[experts], self.scale[experts])
+
+    def index(self, e: jax.Array) -> "Fp8Weight":
+        """The matrix of expert `e` (a traced scalar): dynamic slices of both arrays."""
+        return Fp8Weight(jax.lax.dynamic_index_in_dim(self.q, e, axis=0, keepdims=False),
+                         jax.lax.dynamic_index_in_dim(self.scale, e, axis=0, keepdims=False))
+
     def delete(self) -> None:
         self.q.delete()
         self.scale.delete()
@@ -92,6 +108,27 @@ def linear(x: jax.Array, w) -> jax.Array:
     return (y * w.scale).astype(x.dtype)
 
 
+def batched_linear(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for a batch of matrices w [B, in, out] (experts), contracting
+    x [B, rows, in] into [B, rows, out]; for an Fp8Weight (scales [B, out]) the product is
+    taken in float32, scaled per batch and column, and cast to `preferred_element_type` (x's
+    dtype when None), as the plain einsum returns it."""
+    if not isinstance(w, Fp8Weight):
+        return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+    y = jnp.einsum(spec, x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)  # [B, rows, out]
+    return (y * w.scale[:, None, :]).astype(preferred_element_type or x.dtype)
+
+
+def take(w, experts: jax.Array):
+    """w[experts] for a plain or an Fp8Weight stack of expert matrices."""
+    return w.take(experts) if isinstance(w, Fp8Weight) else w[experts]
+
+
+def index(w, e: jax.Array):
+    """Expert e's matrix (a traced index) of a plain or an Fp8Weight stack."""
+    return w.index(e) if isinstance(w, Fp8Weight) else jax.lax.dynamic_index_in_dim(w, e, axis=0, keepdims=False)
+
+
 def stack(parts) -> jax.Array | Fp8Weight:
     """G matrices of one kind -> one [G, ...] matrix, plain or Fp8Weight."""
     if isinstance(parts[0], Fp8Weight):
@@ -103,13 +140,10 @@ def quantize_layer(layer, *, delete_source: bool = False):
     """One LayerParams (or a group or stack of layers) with its QUANTIZED_MATRICES as
     Fp8Weight; already quantized matrices stay as they are. With `delete_source`, each
     matrix is deleted as soon as its 8-bit copy exists."""
-    if layer.w_router is not None:
-        raise ValueError("quantization='fp8' covers dense models; this model's MLP is a mixture of experts, "
-                         "whose expert matrices stay in the model's dtype: leave quantization off")
     out = {}
     for name in QUANTIZED_MATRICES:
         w = getattr(layer, name)
-        if isinstance(w, Fp8Weight):
+        if w is None or isinstance(w, Fp8Weight):
             continue
         out[name] = quantize_fp8(w)
         if delete_source:
@@ -119,7 +153,7 @@ def quantize_layer(layer, *, delete_source: bool = False):
 
 
 def quantize_params(params, *, delete_source: bool = False):
-    """ModelParams with the dense layers' matrices (QUANTIZED_MATRICES) as Fp8Weight, in any
+    """ModelParams with the layers' matrices (QUANTIZED_MATRICES) as Fp8Weight, in any
     layer form (per layer, groups, one stack) and sharding (each matrix's quantized arrays
     keep its layout: the scale that of its output axis). With `delete_source` (weights the
     engine loaded itself), each matrix is deleted as soon as its 8-bit copy exists, so the

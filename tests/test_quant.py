@@ -106,13 +106,58 @@ def test_engine_fp8_generates_as_its_dequantized_weights():
 
 def test_quantization_option_and_its_refusals():
     assert EngineConfig(quantization="none").quantization is None
+    assert EngineConfig(quantization="FP8").quantization == "fp8"
     with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
         EngineConfig(quantization="int4")
-    moe = tiny_config(num_experts=4, experts_per_token=2)
-    with pytest.raises(ValueError, match="mixture of experts"):
-        make_engine(moe, quantization="fp8")
-    with pytest.raises(ValueError, match="mixture of experts"):
-        quantize_params(tiny_params(moe))
+
+
+def _moe_layer(rng, D=16, F=12, E=6, shards=2, shared=10):
+    """One random MoE layer with a shared expert (Qwen2-MoE's form), float32."""
+    from jaxoverlap.models.params import LayerParams
+
+    def m(*shape):
+        return jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-2]), jnp.float32)
+
+    return LayerParams(wqkv=None, wo=None, w_gate_up=m(E, D, 2 * F), w_down=m(E, F, D), w_router=m(D, E),
+                       w_shared_gate_up=m(D, 2 * shared), w_shared_down=m(shared, D), w_shared_gate=m(D, 1),
+                       gate_up_shards=shards)
+
+
+@pytest.mark.parametrize("plan", [("dense", 0), ("grouped", 1), ("grouped", 4), ("sliced", 0)])
+def test_moe_plans_with_8bit_experts(plan):
+    """Every XLA plan of the MoE MLP takes 8-bit experts (one scale per expert and column)
+    and a quantized shared expert: the output of the same experts dequantized. The router
+    stays as it was; the Pallas expert-matmul kernel, which reads bf16 experts, is not
+    offered for them."""
+    from jaxoverlap.models import moe
+    from jaxoverlap.models.quant import quantize_layer
+
+    rng = np.random.default_rng(3)
+    lw = _moe_layer(rng)
+    q = quantize_layer(lw)
+    assert isinstance(q.w_gate_up, Fp8Weight) and q.w_gate_up.scale.shape == (6, 24)
+    assert isinstance(q.w_shared_down, Fp8Weight) and q.w_router is lw.w_router and q.w_shared_gate is lw.w_shared_gate
+    dq = dequantize_params(q)
+    h = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32)
+    run = jax.jit(lambda h, lw: moe.moe_mlp(h, lw, top_k=2, normalize=False, force_plan=plan))
+    got, want = np.asarray(run(h, q)), np.asarray(run(h, dq))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - np.asarray(run(h, lw))).max() > 1e-3  # the 8-bit experts are another layer
+    assert not moe.kernel_fits(lambda *a, **k: None, q.w_gate_up, q.w_down)
+    with pytest.raises(ValueError, match="bf16 experts"):
+        moe.moe_mlp(h, q, top_k=2, normalize=False, force_plan=("pallas", 0))
+
+
+def test_engine_fp8_moe_generates_as_its_dequantized_weights():
+    cfg = tiny_config(model_type="qwen3_moe", intermediate_size=32, num_experts=8, experts_per_token=2,
+                      norm_topk_prob=True)
+    g = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", [1, 2, 3, 4, 5], g), ("b", [7, 8, 9], g)], 2: [("c", list(range(10, 30)), g)]}
+    fp8 = make_engine(cfg, quantization="fp8")
+    assert isinstance(fp8.runner.params.layers[0].w_gate_up, Fp8Weight)
+    got = {k: v.token_ids for k, v in run_workload(fp8, arrivals).items()}
+    want = run_workload(make_engine(cfg, params=dequantize_params(fp8.runner.params)), arrivals)
+    assert got == {k: v.token_ids for k, v in want.items()}
 
 
 def test_cli_quantization_flag():
