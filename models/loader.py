@@ -214,7 +214,8 @@ def _fp8_scale_tile(name: str, w_shape, s_shape, block) -> tuple[int, int] | Non
 def _dequantize_fp8(w: jax.Array, scale: jax.Array, *, tile, dtype) -> jax.Array:
     """An FP8 checkpoint's weight [out, in] multiplied out by its scale (`_fp8_scale_tile`
     says how it covers the weight) in float32, as transformers dequantizes, then rounded once
-    to `dtype` (the weight's: so a MoE layer's many parts wait for their stack at its size)."""
+    to `dtype`, the weight's (a MoE layer's expert parts, all alive until their stack is made,
+    then take that size, not float32's)."""
     s = scale.astype(jnp.float32)
     if tile is None:
         s = s.reshape(-1, 1) if s.size > 1 else s.reshape(())  # [out] | [out, 1] -> [out, 1]
@@ -246,8 +247,8 @@ def scale_owner(name: str) -> str | None:
     """The weight whose scale tensor `name` is (an FP8 checkpoint's `<w>_scale_inv` or
     `<w>_scale`, a static scheme's `<module>.input_scale`, an FP8 KV cache's
     `self_attn.k_scale` / `v_scale`), or None for any other tensor."""
-    for suffix, weight in ((".weight_scale_inv", ".weight"), (".weight_scale", ".weight"),
-                           (".input_scale", ".weight"), (".k_scale", ".k_proj.weight"), (".v_scale", ".v_proj.weight")):
+    for suffix, weight in ((".weight_scale_inv", ".weight"), (".weight_scale", ".weight"), (".input_scale", ".weight"),
+                           (".k_scale", ".k_proj.weight"), (".v_scale", ".v_proj.weight")):
         if name.endswith(suffix):
             return name[: -len(suffix)] + weight
     return None
@@ -267,8 +268,8 @@ def _checkpoint_fp8_block(model_path: str):
     """The scale tile of an FP8 checkpoint's weights (models/config.py: fp8_weight_block); None
     for one scale per weight or per row, and for a checkpoint that is not quantized."""
     path = os.path.join(model_path, "config.json")
-    quant = read_json(path).get("quantization_config") if os.path.exists(path) else None
-    return fp8_weight_block(quant) if quant else None
+    config = read_json(path).get("quantization_config") if os.path.exists(path) else None
+    return fp8_weight_block(config) if config else None
 
 
 @functools.partial(jax.jit, static_argnames=("transpose", "dtype", "blocks", "shards", "sharding"))
