@@ -205,10 +205,7 @@ def _sliced(x, weights, experts, w_gate_up, w_down, shards):
             w1 = index(w_gate_up, e)  # [D, 2F]
             w2 = index(w_down, e)  # [F, D]
             act = swiglu(linear(x[t], w1), shards) * weights[t, j]  # [F]
-            if isinstance(w2, Fp8Weight):
-                y = y + jnp.dot(act, w2.q.astype(act.dtype), preferred_element_type=jnp.float32) * w2.scale
-            else:
-                y = y + jnp.dot(act, w2, preferred_element_type=jnp.float32)
+            y = y + linear(act, w2, preferred_element_type=jnp.float32)
         out.append(y)
     return jnp.stack(out)  # T x [D] -> [T, D]
 

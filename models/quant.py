@@ -70,16 +70,6 @@ class Fp8Weight:
                             f"of stacked weights only, not {i!r}")
         return Fp8Weight(self.q[i], self.scale[i])
 
-    def take(self, experts: jax.Array) -> "Fp8Weight":
-        """The matrices of `experts` (an index array into the leading, expert axis): a gather of
-        both the 8-bit matrices and their scales."""
-        return Fp8Weight(self.q[experts], self.scale[experts])
-
-    def index(self, e: jax.Array) -> "Fp8Weight":
-        """The matrix of expert `e` (a traced scalar): dynamic slices of both arrays."""
-        return Fp8Weight(jax.lax.dynamic_index_in_dim(self.q, e, axis=0, keepdims=False),
-                         jax.lax.dynamic_index_in_dim(self.scale, e, axis=0, keepdims=False))
-
     def delete(self) -> None:
         self.q.delete()
         self.scale.delete()
@@ -98,14 +88,15 @@ def quantize_fp8(w: jax.Array) -> Fp8Weight:
     return Fp8Weight(q, scale)
 
 
-def linear(x: jax.Array, w) -> jax.Array:
-    """x [..., in] @ w [in, out] -> [..., out] in x's dtype, for a plain or an Fp8Weight
-    matrix. The 8-bit matrix is converted in the program (XLA may fuse the convert into the
-    matmul's operand read) and the scales multiply the float32 output columns."""
+def linear(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] in `preferred_element_type` (x's dtype when
+    None), for a plain or an Fp8Weight matrix. The 8-bit matrix is converted in the program
+    (XLA may fuse the convert into the matmul's operand read) and the scales multiply the
+    float32 output columns."""
     if not isinstance(w, Fp8Weight):
-        return jnp.dot(x, w)
+        return jnp.dot(x, w, preferred_element_type=preferred_element_type)
     y = jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)  # [..., out]
-    return (y * w.scale).astype(x.dtype)
+    return (y * w.scale).astype(preferred_element_type or x.dtype)
 
 
 def batched_linear(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Array:
@@ -120,13 +111,14 @@ def batched_linear(spec: str, x: jax.Array, w, preferred_element_type=None) -> j
 
 
 def take(w, experts: jax.Array):
-    """w[experts] for a plain or an Fp8Weight stack of expert matrices."""
-    return w.take(experts) if isinstance(w, Fp8Weight) else w[experts]
+    """w[experts] (an index array into the leading, expert axis) for a plain or an Fp8Weight
+    stack of expert matrices: a gather of the 8-bit matrices and their scales alike."""
+    return jax.tree.map(lambda a: a[experts], w)
 
 
 def index(w, e: jax.Array):
-    """Expert e's matrix (a traced index) of a plain or an Fp8Weight stack."""
-    return w.index(e) if isinstance(w, Fp8Weight) else jax.lax.dynamic_index_in_dim(w, e, axis=0, keepdims=False)
+    """Expert e's matrix (a traced index) of a plain or an Fp8Weight stack: dynamic slices."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, axis=0, keepdims=False), w)
 
 
 def stack(parts) -> jax.Array | Fp8Weight:
