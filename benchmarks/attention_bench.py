@@ -6,6 +6,10 @@ context 512..32k), window (Q=4) and prefill shapes for the XLA reference and
 the Pallas kernels (bf16, 32 q heads, 8 kv heads, head_dim 128, page 16),
 checks each kernel's max error against the reference on the GPU, prints a
 table and writes JSON. Attention bandwidth = bytes of K+V read / time.
+`--kv-dtypes bf16 fp8` times every decode, window and prefill shape on a bf16
+cache and on an FP8 (e4m3) copy of it (EngineConfig.kv_cache_dtype="fp8"),
+which moves half the bytes; `fp8_vs_bf16_err` is the kernel's error against
+the bf16 cache's reference (the rounding of K/V to 8 bits).
 
 Run from the repository root (the repo need not be pip-installed):
   PYTHONPATH=. python3 benchmarks/attention_bench.py --out /tmp/attn.json
@@ -57,7 +61,7 @@ def _import_kernels():
 
 
 _import_kernels()
-from jaxoverlap.pallas_kernels.reference import paged_attention_ref  # noqa: E402
+from jaxoverlap.pallas_kernels.reference import paged_attention_ref, to_cache_dtype  # noqa: E402
 from jaxoverlap.pallas_kernels.decode import paged_decode_attention  # noqa: E402
 from jaxoverlap.pallas_kernels.prefill import paged_prefill_attention  # noqa: E402
 from jaxoverlap.pallas_kernels import acceptance  # noqa: E402
@@ -123,6 +127,15 @@ class Cache:
         self.k = self._random(jax.random.key(seed), shape)
         self.v = self._random(jax.random.key(seed + 1), shape)
         self.rng = np.random.default_rng(seed)
+        self.copies = {"bf16": (self.k, self.v)}
+
+    def kv(self, name: str):
+        """(k, v) in the cache dtype `name`: "bf16", or "fp8" (made once, rounded as the
+        engine's cache writes round)."""
+        if name not in self.copies:
+            dtype = {"fp8": jnp.float8_e4m3fn}[name]
+            self.copies[name] = tuple(jax.jit(to_cache_dtype, static_argnums=1)(a, dtype) for a in (self.k, self.v))
+        return self.copies[name]
 
     @staticmethod
     def _random(key, shape):
@@ -164,16 +177,19 @@ def kernel_fns(kind: str, ctx: int, scale: float, **tuning):
 
 
 def bench_one(cache, results, *, shape, batch, kv_len, num_q, kinds, copy_bw,
-              n_unroll=8, check=True, tag=None, **tuning):
+              n_unroll=8, check=True, tag=None, kv_dtype="bf16", **tuning):
     args = cache.batch(batch, kv_len, num_q)
+    bf16_full = args[:3] + (1,) + args[3:]  # the bf16 cache's call, for the FP8 rounding error
+    args = args[:1] + cache.kv(kv_dtype) + args[3:]
     scale = HD ** -0.5
-    kv_bytes = batch * kv_len * KVH * HD * 2 * 2  # K and V, bf16
+    itemsize = jnp.dtype(args[1].dtype).itemsize
+    kv_bytes = batch * kv_len * KVH * HD * 2 * itemsize  # K and V
     flops = 4 * batch * num_q * H * HD * kv_len  # upper bound (no causal saving)
-    ref_out = None
+    ref_out = bf16_ref = None
     full = args[:3] + (1,) + args[3:]
     for kind in kinds:
         fn = kernel_fns(kind, kv_len, scale, **(tuning if kind != "xla" else {}))
-        rec = dict(shape=shape, kind=kind, batch=batch, kv_len=kv_len, num_q=num_q,
+        rec = dict(shape=shape, kind=kind, batch=batch, kv_len=kv_len, num_q=num_q, kv_dtype=kv_dtype,
                    tag=tag, tuning=tuning if kind != "xla" else {})
         try:
             unroll = 2 if kind == "xla" else n_unroll
@@ -188,6 +204,10 @@ def bench_one(cache, results, *, shape, batch, kv_len, num_q, kinds, copy_bw,
                 elif ref_out is not None:
                     rec["max_err"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out)))
                     rec["finite"] = bool(jnp.all(jnp.isfinite(out)))
+                if kv_dtype != "bf16":
+                    if bf16_ref is None:
+                        bf16_ref = jax.jit(kernel_fns("xla", kv_len, scale))(*bf16_full).astype(jnp.float32)
+                    rec["fp8_vs_bf16_err"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - bf16_ref)))
         except Exception as e:  # report and keep benchmarking the rest
             rec["error"] = f"{type(e).__name__}: {e}"[:2000]
         results.append(rec)
@@ -199,7 +219,9 @@ def _row(r):
         return f"{r['shape']:8s} {r['kind']:8s} b={r['batch']:3d} kv={r['kv_len']:6d} q={r['num_q']:5d}  ERROR {r['error'][:300]}"
     err = f" err={r['max_err']:.3g}" if "max_err" in r else ""
     tag = f" [{r['tag']}]" if r.get("tag") else ""
-    return (f"{r['shape']:8s} {r['kind']:8s} b={r['batch']:3d} kv={r['kv_len']:6d} q={r['num_q']:5d} "
+    if "fp8_vs_bf16_err" in r:
+        err += f" vs_bf16={r['fp8_vs_bf16_err']:.3g}"
+    return (f"{r['shape']:8s} {r['kind']:8s} {r.get('kv_dtype', 'bf16'):4s} b={r['batch']:3d} kv={r['kv_len']:6d} q={r['num_q']:5d} "
             f"{r['time_us']:10.1f} us {r['kv_GBps']:8.0f} GB/s {100 * r['frac_copy_bw']:5.1f}% copy "
             f"{r['TFLOPs']:7.1f} TF/s{err}{tag}")
 
@@ -244,6 +266,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting configs after this")
     ap.add_argument("--decode-tuning", default="{}", help="JSON kwargs for the decode kernel")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter (CPU check)")
+    ap.add_argument("--kv-dtypes", nargs="+", default=["bf16"], choices=["bf16", "fp8"],
+                    help="cache dtypes of the decode, window and prefill shapes (the tuning sweeps use bf16)")
     opts = ap.parse_args()
     if opts.smoke:
         global INTERPRET, H, KVH, HD
@@ -291,19 +315,22 @@ def main():
                       **best["tuning"])
     for b in batches:
         for c in ctxs:
-            if out_of_time() or (b, c) == (tb, tc):
-                continue
-            bench_one(cache, results, shape="decode", batch=b, kv_len=c, num_q=1,
-                      kinds=("xla", "decode"), copy_bw=copy_bw, **tuning)
+            for kv_dtype in opts.kv_dtypes:
+                if out_of_time() or ((b, c) == (tb, tc) and kv_dtype == "bf16"):
+                    continue
+                bench_one(cache, results, shape="decode", batch=b, kv_len=c, num_q=1,
+                          kinds=("xla", "decode"), copy_bw=copy_bw, kv_dtype=kv_dtype, **tuning)
     for b, c in ((8, 2048), (32, 2048), (32, 8192)) if not opts.smoke else ((2, 40),):
-        if not out_of_time():
-            bench_one(cache, results, shape="window", batch=b, kv_len=c, num_q=4,
-                      kinds=("xla", "decode"), copy_bw=copy_bw, **tuning)
+        for kv_dtype in opts.kv_dtypes:
+            if not out_of_time():
+                bench_one(cache, results, shape="window", batch=b, kv_len=c, num_q=4,
+                          kinds=("xla", "decode"), copy_bw=copy_bw, kv_dtype=kv_dtype, **tuning)
     for b, c, qn in (((1, 1024, 1024), (1, 5120, 1024), (4, 2560, 512)) if not opts.smoke
                      else ((2, 50, 20),)):
-        if not out_of_time():
-            bench_one(cache, results, shape="prefill", batch=b, kv_len=c, num_q=qn,
-                      kinds=("xla", "prefill"), copy_bw=copy_bw, n_unroll=4)
+        for kv_dtype in opts.kv_dtypes:
+            if not out_of_time():
+                bench_one(cache, results, shape="prefill", batch=b, kv_len=c, num_q=qn,
+                          kinds=("xla", "prefill"), copy_bw=copy_bw, n_unroll=4, kv_dtype=kv_dtype)
     # Extra data for the split heuristic (small batch, long context) and prefill tiles.
     for b, c in ((1, 8192), (8, 32768)) if not opts.smoke else ():
         for sp in (4, 8, 16, 32):

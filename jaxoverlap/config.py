@@ -6,6 +6,8 @@ import numbers
 
 SPECULATIVE_ALGORITHMS = (None, "eagle", "draft_model", "ngram", "ngram_device")
 DECODE_INPUTS = ("every_step", "on_change")
+# EngineConfig.kv_cache_dtype -> the cache's numpy dtype name (None: the model's dtype).
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # The longest n-gram the n-gram drafters may match (speculative_ngram_max_match_window_size).
 MAX_NGRAM_MATCH = 32
 # Default rows of a prefill step: one per this many tokens of the chunk budget (2048 -> 64),
@@ -23,6 +25,11 @@ class EngineConfig:
     # None | "fp8": the layers' weight matrices (experts too) in 8 bits with a scale per output column
     # (models/quant.py): half their memory and bytes per step; activations stay in `dtype`.
     quantization: str | None = None
+    # The KV cache's dtype: "auto" (the model's) | "fp8" (= "fp8_e4m3") | "fp8_e5m2". An 8-bit
+    # cache holds K/V rounded to it with a scale of 1 (saturating at its largest value), as
+    # vLLM's does without calibrated scales: twice the tokens in the same memory, and half
+    # the bytes attention reads per token. The attention math stays in `dtype`.
+    kv_cache_dtype: str = "auto"
     seed: int = 0  # for dummy weights and for requests without a seed
     page_size: int = 16
     max_running_requests: int = 64
@@ -107,7 +114,7 @@ class EngineConfig:
                       "speculative_disable_by_batch_size")
     _BOOLS = ("disable_overlap", "disable_prefix_cache", "disable_fused_decode", "alternate_decode_executables",
               "freeze_gc", "enable_penalties")
-    _STRINGS = ("load_format", "dtype", "attention_backend", "decode_inputs")
+    _STRINGS = ("load_format", "dtype", "kv_cache_dtype", "attention_backend", "decode_inputs")
     _OPTIONAL_STRINGS = ("model", "quantization", "weights_cache_dir", "compilation_cache_dir", "speculative_algorithm",
                          "speculative_draft_model_path", "speculative_eagle_head_path")
 
@@ -180,6 +187,10 @@ class EngineConfig:
             object.__setattr__(self, "quantization", None if quantization in ("none", "") else quantization)
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8' (8-bit weights), got {self.quantization!r}")
+        object.__setattr__(self, "kv_cache_dtype", self.kv_cache_dtype.lower())
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "xla", "pallas"):
             raise ValueError(f"attention_backend must be 'auto', 'xla' or 'pallas', got {self.attention_backend!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

@@ -2,7 +2,7 @@
 
 | array | shape | written by | read by |
 |---|---|---|---|
-| k_cache, v_cache | [L, S, KVH, HD] | every step, before attention | every step |
+| k_cache, v_cache | [L, S, KVH, HD] (model dtype or 8-bit) | every step, before attention | every step |
 | req_to_token | [E, W] | the prologue of the step after the host reserved pages | every step |
 | relay.seq_lens | [E] | each step, right after its forward | the next step (positions, slots) |
 | relay.tokens | [E] | each step (the sampled / bonus token) | the next step's input |
@@ -78,9 +78,11 @@ class DrafterLayout:
 
 def init_device_state(
     *, num_layers, num_slots, num_kv_heads, head_dim, dtype, num_entries, table_width,
-    drafter: DrafterLayout = DrafterLayout(), penalty_vocab_size: int = 0,
+    drafter: DrafterLayout = DrafterLayout(), penalty_vocab_size: int = 0, cache_dtype=None,
 ) -> DeviceState:
-    """penalty_vocab_size: the vocabulary of the penalties' history rows; 0 for none."""
+    """dtype: the model's; cache_dtype: the target's KV cache's, by default the model's (an
+    8-bit one: EngineConfig.kv_cache_dtype; the drafter's cache stays in the model's dtype).
+    penalty_vocab_size: the vocabulary of the penalties' history rows; 0 for none."""
     E = num_entries
     cache_shape = (num_layers, num_slots, num_kv_heads, head_dim)
     relay = Relay(
@@ -99,8 +101,8 @@ def init_device_state(
     if drafter.cache_layers:
         draft_cache = (drafter.cache_layers, num_slots, drafter.cache_kv_heads, drafter.cache_head_dim)
     return DeviceState(
-        k_cache=jnp.zeros(cache_shape, dtype),
-        v_cache=jnp.zeros(cache_shape, dtype),
+        k_cache=jnp.zeros(cache_shape, cache_dtype or dtype),
+        v_cache=jnp.zeros(cache_shape, cache_dtype or dtype),
         req_to_token=jnp.zeros((E, table_width), jnp.int32),
         relay=relay,
         draft_k_cache=jnp.zeros(draft_cache, dtype) if draft_cache else None,

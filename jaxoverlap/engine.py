@@ -41,7 +41,7 @@ import numpy as np
 from jaxoverlap import interrupts, penalties
 from jaxoverlap.buckets import PrefillShapes
 from jaxoverlap.compile_watch import CompileWatch
-from jaxoverlap.config import EngineConfig
+from jaxoverlap.config import KV_CACHE_DTYPES, EngineConfig
 from jaxoverlap.device_state import init_device_state, kv_cache_bytes_per_token
 from jaxoverlap.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, QueueFullError
 from jaxoverlap.models import moe
@@ -272,6 +272,8 @@ class Engine:
         self.model_name = os.path.basename(os.path.normpath(model_path)) if config.model else "jaxoverlap-default"
         self.model_config = model_config or ModelConfig.from_path(model_path)
         self.dtype = _resolve_dtype(config.dtype)
+        cache_dtype_name = KV_CACHE_DTYPES[config.kv_cache_dtype]
+        self.kv_cache_dtype = jnp.dtype(cache_dtype_name) if cache_dtype_name else jnp.dtype(self.dtype)
         owns_params = params is None
         self.mesh = None
         if config.tensor_parallel_size > 1:
@@ -360,7 +362,8 @@ class Engine:
         def init_state():
             return init_device_state(
                 num_layers=mc.num_layers, num_slots=num_pages * ps, num_kv_heads=mc.num_kv_heads,
-                head_dim=mc.head_dim, dtype=self.dtype, num_entries=config.max_running_requests + 1,
+                head_dim=mc.head_dim, dtype=self.dtype, cache_dtype=self.kv_cache_dtype,
+                num_entries=config.max_running_requests + 1,
                 table_width=table_width, **({"drafter": self.drafter.layout} if self.drafter else {}),
                 penalty_vocab_size=mc.vocab_size if self.serves_penalties else 0,
             )
@@ -475,7 +478,8 @@ class Engine:
         mc, n = self.model_config, self.mesh.size if self.mesh is not None else 1
         from jaxoverlap.parallel import local_size
 
-        per_token = kv_cache_bytes_per_token(mc.num_layers, local_size(mc.num_kv_heads, n), mc.head_dim, self.dtype)
+        per_token = kv_cache_bytes_per_token(mc.num_layers, local_size(mc.num_kv_heads, n), mc.head_dim,
+                                             self.kv_cache_dtype)
         if self.drafter is not None:
             heads = self.drafter.layout.cache_kv_heads
             split = layout.get("draft_heads_split") and heads and local_size(heads, n) < heads

@@ -20,6 +20,7 @@ from jaxoverlap.models.params import LayerParams, ModelParams, layer_at, num_lay
 from jaxoverlap.models.quant import linear  # a plain or an FP8 weight matrix (engine's quantization)
 # The XLA gather path is the CPU production path and the reference of the Pallas kernels.
 from jaxoverlap.pallas_kernels.reference import paged_attention_ref as xla_paged_attention
+from jaxoverlap.pallas_kernels.reference import to_cache_dtype  # an 8-bit cache saturates
 from jaxoverlap.scatter import dropped_where_invalid
 
 # attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len)
@@ -79,11 +80,11 @@ def mlp(h: jax.Array, lw: LayerParams, cfg: ModelConfig, expert_matmul=None) -> 
 
 
 def write_cache(cache: jax.Array, layer: int, slots: jax.Array, valid: jax.Array, values: jax.Array) -> jax.Array:
-    """cache[layer, slots[t]] = values[t] for every token t with valid[t]; the others write
-    nothing (jaxoverlap/scatter.py says why not one shared slot). cache: [L, S, KVH, HD];
-    slots, valid: [N]; values: [N, KVH, HD]."""
+    """cache[layer, slots[t]] = values[t], rounded to the cache's dtype, for every token t
+    with valid[t]; the others write nothing (jaxoverlap/scatter.py says why not one shared
+    slot). cache: [L, S, KVH, HD]; slots, valid: [N]; values: [N, KVH, HD]."""
     slots = dropped_where_invalid(slots, valid, cache.shape[1])
-    return cache.at[layer, slots].set(values.astype(cache.dtype), mode="drop")
+    return cache.at[layer, slots].set(to_cache_dtype(values, cache.dtype), mode="drop")
 
 
 def forward(
@@ -185,11 +186,12 @@ def lm_logits(params: ModelParams, hidden: jax.Array) -> jax.Array:
     return jnp.dot(hidden, params.lm_head, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def dense_logits(params: ModelParams, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
-    """Logits [T, V] of one sequence with a throwaway cache: a reference for tests and notebooks."""
+@functools.partial(jax.jit, static_argnames=("cfg", "cache_dtype"))
+def dense_logits(params: ModelParams, cfg: ModelConfig, token_ids: jax.Array, cache_dtype=None) -> jax.Array:
+    """Logits [T, V] of one sequence with a throwaway cache (in `cache_dtype`, by default the
+    model's): a reference for tests and notebooks."""
     T = token_ids.shape[0]
-    k_cache = jnp.zeros((cfg.num_layers, T + 1, cfg.num_kv_heads, cfg.head_dim), params.embed.dtype)
+    k_cache = jnp.zeros((cfg.num_layers, T + 1, cfg.num_kv_heads, cfg.head_dim), cache_dtype or params.embed.dtype)
     v_cache = jnp.zeros_like(k_cache)
     # Entry 1 maps position p to slot p + 1 (slot 0 is the dummy).
     req_to_token = jnp.stack([jnp.zeros((T,), jnp.int32), jnp.arange(1, T + 1, dtype=jnp.int32)])

@@ -35,7 +35,8 @@ def attend_blocks(q, qpos, *, k_ref, v_ref, req_ref, layer, entry, kvh, kv_len,
     """Online-softmax attention of q over KV blocks [blk_lo, blk_hi).
 
     Args:
-      q: [BM, HD] query rows, in the cache dtype (bf16 tensor-core matmuls).
+      q: [BM, HD] query rows in the matmuls' dtype (`reference.compute_dtype`): the
+        cache's, or the model's where the cache is 8-bit and its blocks are cast up.
       qpos: [BM] int32 absolute position of each row's token.
       kv_len: scalar, number of valid cache positions (already <= ctx_len).
     Returns:
@@ -55,8 +56,8 @@ def attend_blocks(q, qpos, *, k_ref, v_ref, req_ref, layer, entry, kvh, kv_len,
         # clamped onto written slots and masked below, so stale or dummy-page
         # slots are never read.
         slots = req_ref[entry, jnp.minimum(cpos, last)]  # [BK]
-        k = k_ref[layer, slots, kvh, :]  # [BK, HD]
-        v = v_ref[layer, slots, kvh, :]  # [BK, HD]
+        k = k_ref[layer, slots, kvh, :].astype(q.dtype)  # [BK, HD]
+        v = v_ref[layer, slots, kvh, :].astype(q.dtype)  # [BK, HD]
         # [BM, HD] x [BK, HD] -> [BM, BK], contracting HD
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from . import _tile
 from ._compat import triton_params
 from .combine import combine_splits
+from .reference import compute_dtype
 
 # Rows (Q * G) one program holds: a window of 8 tokens at G = 8. Beyond this
 # the f32 [rows, HD] accumulator plus [rows, BK] scores crowd the registers and
@@ -53,7 +54,7 @@ def _kernel(layer_ref, req_ref, entries_ref, qpos_ref, kvlen_ref, q_ref, k_ref, 
     kv_len = jnp.clip(kvlen_ref[r], 0, ctx_len)
 
     tok, head, valid = _tile.row_map(0, block_rows, group, num_q, kvh)
-    q = q_ref[r, tok, head, :].astype(k_ref.dtype)  # [BM, HD]
+    q = q_ref[r, tok, head, :].astype(compute_dtype(q_ref.dtype, k_ref.dtype))  # [BM, HD]
     qpos = qpos_ref[r, tok]  # [BM]
 
     # Split the row's *visible* blocks (not ctx_len) so that short rows in a

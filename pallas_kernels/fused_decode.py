@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from . import _tile
 from ._compat import masked_store, triton_params
 from .decode import MAX_ROWS, choose_splits, merge_splits, split_out_shapes, split_range, store_split
+from .reference import to_cache_dtype
 
 
 def _rms(x32, eps, head_dim):
@@ -83,8 +84,10 @@ def _kernel(layer_ref, req_ref, entries_ref, pos_ref, kvlen_ref, slot_ref, qkv_r
     partner2 = jnp.broadcast_to(partner[None, :], (block_rows, head_dim))  # [BM, HD]
     q = nr(qkv_ref[r, head, :], qkv_ref[r, head2, partner2], qn, qn_p)  # [BM, HD]
     k_head = num_heads + kvh
-    k_new = nr(qkv_ref[r, k_head, :], qkv_ref[r, k_head, partner], kn, kn_p).astype(k_ref.dtype)  # [HD]
-    v_new = qkv_ref[r, k_head + num_kv_heads, :].astype(v_ref.dtype)  # [HD]
+    # Rounded to the cache's dtype (saturating into an 8-bit one) before use, so that the new
+    # token's own term below sees what the cache holds, as the unfused path does.
+    k_new = to_cache_dtype(nr(qkv_ref[r, k_head, :], qkv_ref[r, k_head, partner], kn, kn_p), k_ref.dtype)  # [HD]
+    v_new = to_cache_dtype(qkv_ref[r, k_head + num_kv_heads, :], v_ref.dtype)  # [HD]
 
     # Split 0 writes the token's k and v; the other splits store nothing (mask off).
     k_out_ref, v_out_ref = out_refs[-2:]

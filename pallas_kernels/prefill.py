@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 
 from . import _tile
 from ._compat import triton_params
+from .reference import compute_dtype
 
 
 def _kernel(layer_ref, req_ref, entries_ref, qpos_ref, kvlen_ref, q_ref, k_ref, v_ref,
@@ -33,7 +34,7 @@ def _kernel(layer_ref, req_ref, entries_ref, qpos_ref, kvlen_ref, q_ref, k_ref, 
     kv_len = jnp.clip(kvlen_ref[r], 0, ctx_len)
 
     tok, head, valid = _tile.row_map(tile * block_rows, block_rows, group, num_q, kvh)
-    q = q_ref[r, tok, head, :].astype(k_ref.dtype)  # [BM, HD]
+    q = q_ref[r, tok, head, :].astype(compute_dtype(q_ref.dtype, k_ref.dtype))  # [BM, HD]
     qpos = qpos_ref[r, tok]  # [BM]
     nblk = _tile.visible_blocks(qpos, kv_len, block_k)
     acc, _, l = _tile.attend_blocks(

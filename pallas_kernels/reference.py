@@ -16,6 +16,31 @@ import jax.numpy as jnp
 MASK_VALUE = -1e30
 
 
+# -- what the cache holds ------------------------------------------------------------------
+# The cache is in the model's dtype, or in an 8-bit float (EngineConfig.kv_cache_dtype) with
+# a scale of 1: K/V are stored rounded to it, and read back converted to the queries' dtype
+# before any product, so every attention path computes with the same rounded values.
+
+
+def is_8bit(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1
+
+
+def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
+    """x rounded to the cache's dtype. Into an 8-bit float, values past its largest finite
+    one saturate (e4m3fn has no infinity: a plain convert would turn them into NaN)."""
+    if is_8bit(dtype):
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -big, big)
+    return x.astype(dtype)
+
+
+def compute_dtype(q_dtype, cache_dtype):
+    """The dtype of attention's matmul operands: the cache's (so the queries are cast to it,
+    as always), or the queries' when the cache is 8-bit (the K/V blocks are cast up)."""
+    return jnp.dtype(q_dtype) if is_8bit(cache_dtype) else jnp.dtype(cache_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "ctx_len"))
 def paged_attention_ref(
     q: jax.Array,
@@ -56,6 +81,8 @@ def paged_attention_ref(
     slots = req_to_token[entries, :ctx_len]  # [R, C]
     k = k_cache[layer, slots]  # [R, C, KVH, HD]
     v = v_cache[layer, slots]  # [R, C, KVH, HD]
+    if is_8bit(k.dtype):  # an FP8 cache: the einsums compute in the queries' dtype
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     cpos = jnp.arange(ctx_len, dtype=jnp.int32)
     # Columns past kv_len point at the dummy page or stale slots; zero their V
     # so garbage there (even NaN) cannot leak through 0 * NaN in the einsum.
