@@ -200,6 +200,15 @@ def main():
     eng = make_engine(cfg, params=quantize_params(tiny_params(cfg)), tensor_parallel_size=2, **xla)
     out["fp8-given-2"] = {"tokens": {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())}}
     seconds["fp8"] = round(time.perf_counter() - t0, 1)
+    # An 8-bit KV cache (EngineConfig.kv_cache_dtype) split on its heads like a full one: the
+    # XLA path at TP=1 and 2, and the fused Pallas decode kernel per device under shard_map.
+    t0 = time.perf_counter()
+    for name, tp, options in (("xla", 1, xla), ("xla", 2, xla), ("pallas", 2, pallas)):
+        eng = make_engine(cfg, tensor_parallel_size=tp, kv_cache_dtype="fp8", **options)
+        out[f"kv-fp8-{name}-{tp}"] = {"tokens": {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())},
+                                      "dtype": str(eng.runner.state.k_cache.dtype),
+                                      "kv_devices": len(eng.runner.state.k_cache.sharding.device_set)}
+    seconds["kv-fp8"] = round(time.perf_counter() - t0, 1)
     # Layouts kept across steps (parallel.StateSharding): an untied LM head over a vocabulary
     # the mesh divides splits the logits and with them the penalty history; the Pallas
     # kernels under shard_map split the drafter's cache on heads. Programs compiled by a
