@@ -48,6 +48,7 @@ from jaxoverlap.models import moe
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, stack_layers
 from jaxoverlap.models.quant import quantize_params
+from jaxoverlap.pallas_kernels.reference import is_8bit
 from jaxoverlap.outputs import RequestOutput
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
 from jaxoverlap.prefix_cache import PrefixCache
@@ -347,6 +348,7 @@ class Engine:
             params = quantize_params(params, delete_source=owns_params)
             if self.mesh is not None:  # each 8-bit matrix and its scales where parallel.py's table puts them
                 params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
+        params = self._with_kv_scales(params, owns_params)
         attention = self._attention_fn()  # None: the XLA gather path
         if self.mesh is not None:
             # The layouts the steps' computations give these arrays (parallel.py's table).
@@ -438,6 +440,33 @@ class Engine:
         self._freeze_gc()
 
     # -- set-up helpers -------------------------------------------------------------------------
+    def _with_kv_scales(self, params: ModelParams, owns_params: bool) -> ModelParams:
+        """The weights with the 8-bit KV cache's per-layer scales (ModelParams.kv_scales):
+        the checkpoint's calibrated k_scale / v_scale where it has them (as vLLM uses them),
+        else none (scale 1). Scales the caller's weights carry are kept; a 16-bit cache holds
+        K/V as they are and takes none."""
+        if not is_8bit(self.kv_cache_dtype):
+            return dataclasses.replace(params, kv_scales=None)
+        if params.kv_scales is None and owns_params and self.config.load_format != "dummy":
+            from jaxoverlap.models import loader
+
+            scales = loader.kv_cache_scales(self.model_path, self.model_config)
+            if scales is not None:
+                logger.info("8-bit KV cache with the checkpoint's scales (K %.3g..%.3g, V %.3g..%.3g)",
+                            scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
+                params = dataclasses.replace(params, kv_scales=jnp.asarray(scales))
+        if params.kv_scales is not None:
+            L = self.model_config.num_layers
+            if tuple(params.kv_scales.shape) != (L, 2):
+                raise ValueError(f"kv_scales must be [num_layers, 2] = [{L}, 2], got {list(params.kv_scales.shape)}")
+            scales = jnp.asarray(params.kv_scales, jnp.float32)
+            if self.mesh is not None:
+                from jaxoverlap import parallel
+
+                scales = jax.device_put(scales, parallel.replicated(self.mesh))
+            params = dataclasses.replace(params, kv_scales=scales)
+        return params
+
     def _attention_fn(self):
         from jaxoverlap.pallas_kernels._tile import head_dim_fits
         from jaxoverlap.pallas_kernels.decode import MAX_ROWS

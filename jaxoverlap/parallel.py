@@ -115,6 +115,7 @@ def param_shardings(params: ModelParams, mesh: Mesh) -> ModelParams:
         embed=split(params.embed, None), final_norm=split(params.final_norm, None),
         attn_norm=split(params.attn_norm, None), mlp_norm=split(params.mlp_norm, None),
         q_norm=split(params.q_norm, None), k_norm=split(params.k_norm, None),
+        kv_scales=split(params.kv_scales, None),
     )
 
 
@@ -233,16 +234,18 @@ def shard_fused_decode(fused, mesh: Mesh):
     rep = P()
 
     def sharded(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens, slots, q_norm, k_norm,
-                rope_freq, *, num_heads, num_kv_heads, **static):
-        def local(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens, slots, *norms):
-            qn, kn = norms if norms else (None, None)  # Llama / Qwen2: no q/k norm
+                rope_freq, *, num_heads, num_kv_heads, kv_scales=None, **static):
+        def local(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens, slots, *extra):
+            qn, kn = extra[:2] if q_norm is not None else (None, None)  # Llama / Qwen2: no q/k norm
+            scales = {} if kv_scales is None else {"kv_scales": extra[-1]}
             return fused(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens, slots, qn, kn,
-                         rope_freq, num_heads=num_heads // n, num_kv_heads=num_kv_heads // n, **static)
+                         rope_freq, num_heads=num_heads // n, num_kv_heads=num_kv_heads // n, **scales, **static)
 
-        norms = () if q_norm is None else (q_norm, k_norm)
-        fn = _shard_map(local, mesh, in_specs=(P(None, AXIS), heads, heads) + (rep,) * (6 + len(norms)),
+        # Replicated: the q/k norms where the model has them, the cache scales where it has them.
+        extra = (() if q_norm is None else (q_norm, k_norm)) + (() if kv_scales is None else (kv_scales,))
+        fn = _shard_map(local, mesh, in_specs=(P(None, AXIS), heads, heads) + (rep,) * (6 + len(extra)),
                         out_specs=(P(None, AXIS, None), heads, heads))
         return fn(qkv, k_cache, v_cache, jnp.asarray(layer, jnp.int32), req_to_token, entries, positions, kv_lens,
-                  slots, *norms)
+                  slots, *extra)
 
     return sharded

@@ -70,7 +70,7 @@ _ML_DTYPES = {
 # dequantized at load do not use: an FP8 checkpoint's weight scales (read with their weights),
 # and the activation and KV-cache scales of static schemes (activations and the KV cache stay
 # in the model's dtype).
-_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.weight_scale_inv|\.weight_scale|\.input_scale|\.[kv]_scale)$")
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.weight_scale_inv|\.weight_scale|\.input_scale|\.[kv]_scale|\.kv_scale)$")
 _FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
 
@@ -246,12 +246,48 @@ def _read_part(reader: SafetensorsReader, name: str, target, transpose: bool, fp
 def scale_owner(name: str) -> str | None:
     """The weight whose scale tensor `name` is (an FP8 checkpoint's `<w>_scale_inv` or
     `<w>_scale`, a static scheme's `<module>.input_scale`, an FP8 KV cache's
-    `self_attn.k_scale` / `v_scale`), or None for any other tensor."""
+    `self_attn.k_scale` / `v_scale` / `kv_scale` (`kv_cache_scales`)), or None for any other tensor."""
     for suffix, weight in ((".weight_scale_inv", ".weight"), (".weight_scale", ".weight"), (".input_scale", ".weight"),
-                           (".k_scale", ".k_proj.weight"), (".v_scale", ".v_proj.weight")):
+                           (".k_proj.k_scale", ".k_proj.weight"), (".v_proj.v_scale", ".v_proj.weight"),
+                           (".k_scale", ".k_proj.weight"), (".v_scale", ".v_proj.weight"),
+                           (".kv_scale", ".k_proj.weight")):
         if name.endswith(suffix):
             return name[: -len(suffix)] + weight
     return None
+
+
+# A layer's KV-cache scales as checkpoints name them: compressed-tensors' and ModelOpt's
+# (vLLM reads the same), and the older single `kv_scale` for both.
+_KV_SCALE_NAMES = {0: ("self_attn.k_scale", "self_attn.k_proj.k_scale", "self_attn.kv_scale"),
+                   1: ("self_attn.v_scale", "self_attn.v_proj.v_scale", "self_attn.kv_scale")}
+
+
+def kv_cache_scales(model_path: str, cfg: ModelConfig) -> np.ndarray | None:
+    """[L, 2] float32: the checkpoint's calibrated scale of K and of V for each layer's
+    8-bit KV cache (the cache then holds K / k_scale), or None where the checkpoint has none.
+    A checkpoint with scales for some layers only, or a scale that is not one positive
+    finite number, is refused."""
+    reader = SafetensorsReader(safetensors_files(model_path))
+    prefix = _name_prefix(reader)
+    scales = np.ones((cfg.num_layers, 2), np.float32)
+    found = np.zeros((cfg.num_layers, 2), bool)
+    for i in range(cfg.num_layers):
+        for j, names in _KV_SCALE_NAMES.items():
+            name = next((f"{prefix}layers.{i}.{n}" for n in names if f"{prefix}layers.{i}.{n}" in reader), None)
+            if name is None:
+                continue
+            value = np.asarray(reader.get(name), np.float32)
+            if value.size != 1 or not np.isfinite(value).all() or float(value.reshape(())) <= 0:
+                raise CheckpointError(f"KV-cache scale {name!r} in {model_path!r} is {value.tolist()}: "
+                                      f"expected one positive number")
+            scales[i, j], found[i, j] = float(value.reshape(())), True
+    if not found.any():
+        return None
+    if not found.all():
+        missing = [f"layer {i} {'kv'[j]}" for i, j in zip(*np.nonzero(~found))]
+        raise CheckpointError(f"checkpoint {model_path!r} has KV-cache scales for some layers only "
+                              f"(none for {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''})")
+    return scales
 
 
 def _quantized(layer: LayerParams, quantization: str | None) -> LayerParams:

@@ -75,6 +75,9 @@ class ModelParams:
     q_norm: jax.Array | None = None  # [L, HD] (Qwen3 qk-norm)
     k_norm: jax.Array | None = None  # [L, HD]
     bqkv: jax.Array | None = None  # [L, (H + 2 * KVH) * HD] (Qwen2 qkv bias), in the layers' qkv_shards layout
+    # [L, 2] float32: an 8-bit KV cache's scale of K and of V per layer (a checkpoint's
+    # calibrated k_scale / v_scale; the engine sets it); None: 1.
+    kv_scales: jax.Array | None = None
 
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down", "w_router", "w_shared_gate_up", "w_shared_down", "w_shared_gate")

@@ -79,12 +79,14 @@ def mlp(h: jax.Array, lw: LayerParams, cfg: ModelConfig, expert_matmul=None) -> 
     return gated_mlp(h, lw)
 
 
-def write_cache(cache: jax.Array, layer: int, slots: jax.Array, valid: jax.Array, values: jax.Array) -> jax.Array:
-    """cache[layer, slots[t]] = values[t], rounded to the cache's dtype, for every token t
-    with valid[t]; the others write nothing (jaxoverlap/scatter.py says why not one shared
-    slot). cache: [L, S, KVH, HD]; slots, valid: [N]; values: [N, KVH, HD]."""
+def write_cache(cache: jax.Array, layer: int, slots: jax.Array, valid: jax.Array, values: jax.Array,
+                scale=None) -> jax.Array:
+    """cache[layer, slots[t]] = values[t] (over the layer's cache `scale` where given),
+    rounded to the cache's dtype, for every token t with valid[t]; the others write nothing
+    (jaxoverlap/scatter.py says why not one shared slot). cache: [L, S, KVH, HD]; slots,
+    valid: [N]; values: [N, KVH, HD]."""
     slots = dropped_where_invalid(slots, valid, cache.shape[1])
-    return cache.at[layer, slots].set(to_cache_dtype(values, cache.dtype), mode="drop")
+    return cache.at[layer, slots].set(to_cache_dtype(values, cache.dtype, scale), mode="drop")
 
 
 def forward(
@@ -123,6 +125,10 @@ def forward(
     # the backend has it (pallas_kernels/fused_decode.py) and qkv is in the layout it takes
     # (one shard, or one per device under tensor parallelism: `fused_qkv_shards`); and one
     # for each residual add + RMS norm (pallas_kernels/add_norm.py).
+    # An 8-bit cache's per-layer K and V scales ([L, 2]), or None (scale 1): see
+    # pallas_kernels/reference.py for how attention takes them.
+    kv_scales = params.kv_scales
+    fused_scales = {} if kv_scales is None else {"kv_scales": kv_scales}
     fused = getattr(attention, "fused_decode", None) if Q == 1 else None
     fused_shards = getattr(attention, "fused_qkv_shards", 1)
     fused_add_norm = getattr(attention, "add_rms_norm", None) if Q == 1 else None
@@ -158,7 +164,7 @@ def forward(
             o, k_cache, v_cache = fused(
                 qkv.reshape(R, -1), k_cache, v_cache, i, req_to_token, entries, positions[:, 0], kv_lens,
                 slots, params.q_norm, params.k_norm, rope_freq, num_heads=H, num_kv_heads=KVH,
-                eps=eps, scale=scale, ctx_len=ctx_len)  # qkv [R, 1, W] -> [R, W]
+                eps=eps, scale=scale, ctx_len=ctx_len, **fused_scales)  # qkv [R, 1, W] -> [R, W]
         else:
             q, k, v = split_qkv(qkv, H, KVH, HD, lw.qkv_shards)  # [R, Q, H | KVH, HD]
             if params.q_norm is not None:
@@ -166,11 +172,16 @@ def forward(
                 k = rms_norm(k, params.k_norm[i], eps)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
+            k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             # The cache buffers are donated by the step, so these scatters update in place.
-            k_cache = write_cache(k_cache, i, slots, writes, k.reshape(R * Q, KVH, HD))  # [R, Q, KVH, HD] -> [R*Q, ...]
-            v_cache = write_cache(v_cache, i, slots, writes, v.reshape(R * Q, KVH, HD))
+            k_cache = write_cache(k_cache, i, slots, writes, k.reshape(R * Q, KVH, HD), k_scale)  # [R, Q, KVH, HD] -> [R*Q, ...]
+            v_cache = write_cache(v_cache, i, slots, writes, v.reshape(R * Q, KVH, HD), v_scale)
+            if k_scale is not None:
+                q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
             o = attention(q, k_cache, v_cache, i, req_to_token, entries, positions, kv_lens, scale=scale,
                           ctx_len=ctx_len)
+            if v_scale is not None:
+                o = (o.astype(jnp.float32) * v_scale).astype(o.dtype)
         x, h = add_norm(x, linear(o.reshape(R, Q, H * HD), lw.wo), params.mlp_norm, i)  # [R, Q, D]
         # The residual add of the MLP comes with the next layer's input norm (the final norm last).
         last = i == L - 1

@@ -54,8 +54,8 @@ def _norm_rope(x, x_partner, w, w_partner, cos, sin, sign, *, eps, has_norm, dty
 
 
 def _kernel(layer_ref, req_ref, entries_ref, pos_ref, kvlen_ref, slot_ref, qkv_ref, qnorm_ref, knorm_ref,
-            freq_ref, k_ref, v_ref, *out_refs, num_heads, group, block_rows, block_k, num_splits, scale,
-            ctx_len, eps, has_norm):
+            freq_ref, kv_scale_ref, k_ref, v_ref, *out_refs, num_heads, group, block_rows, block_k, num_splits,
+            scale, ctx_len, eps, has_norm, has_scales):
     r = pl.program_id(0)
     kvh = pl.program_id(1)
     split = pl.program_id(2)
@@ -82,12 +82,19 @@ def _kernel(layer_ref, req_ref, entries_ref, pos_ref, kvlen_ref, slot_ref, qkv_r
     tok, head, valid = _tile.row_map(0, block_rows, group, 1, kvh)  # tok == 0 everywhere
     head2 = jnp.broadcast_to(head[:, None], (block_rows, head_dim))  # [BM, HD]
     partner2 = jnp.broadcast_to(partner[None, :], (block_rows, head_dim))  # [BM, HD]
+    # The layer's cache scales, where the cache has them: it holds k / k_scale and
+    # v / v_scale, so q is multiplied by k_scale here and the output by v_scale (the wrapper).
+    k_scale = kv_scale_ref[layer, 0] if has_scales else None
+    v_scale = kv_scale_ref[layer, 1] if has_scales else None
     q = nr(qkv_ref[r, head, :], qkv_ref[r, head2, partner2], qn, qn_p)  # [BM, HD]
+    if has_scales:
+        q = (q.astype(jnp.float32) * k_scale).astype(dtype)
     k_head = num_heads + kvh
     # Rounded to the cache's dtype (saturating into an 8-bit one) before use, so that the new
     # token's own term below sees what the cache holds, as the unfused path does.
-    k_new = to_cache_dtype(nr(qkv_ref[r, k_head, :], qkv_ref[r, k_head, partner], kn, kn_p), k_ref.dtype)  # [HD]
-    v_new = to_cache_dtype(qkv_ref[r, k_head + num_kv_heads, :], v_ref.dtype)  # [HD]
+    k_new = to_cache_dtype(nr(qkv_ref[r, k_head, :], qkv_ref[r, k_head, partner], kn, kn_p), k_ref.dtype,
+                           k_scale)  # [HD]
+    v_new = to_cache_dtype(qkv_ref[r, k_head + num_kv_heads, :], v_ref.dtype, v_scale)  # [HD]
 
     # Split 0 writes the token's k and v; the other splits store nothing (mask off).
     k_out_ref, v_out_ref = out_refs[-2:]
@@ -128,7 +135,7 @@ def rope_frequencies(inv_freq: np.ndarray) -> np.ndarray:
     "num_heads", "num_kv_heads", "eps", "scale", "ctx_len", "interpret", "block_k", "num_splits", "num_warps",
     "num_stages"), donate_argnames=("k_cache", "v_cache"))
 def fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, positions, kv_lens, slots,
-                           q_norm, k_norm, rope_freq, *, num_heads: int, num_kv_heads: int, eps: float,
+                           q_norm, k_norm, rope_freq, kv_scales=None, *, num_heads: int, num_kv_heads: int, eps: float,
                            scale: float, ctx_len: int, interpret: bool = False, block_k: int = 128,
                            num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2):
     """Decode attention of one new token per row, with its norm, RoPE and cache write.
@@ -142,6 +149,7 @@ def fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, 
       q_norm, k_norm: [L, HD] per-head RMS norm weights of every layer, or None (Llama,
         Qwen2). Stacked, indexed in the kernel: a per-layer slice outside would be a kernel.
       rope_freq: [HD] float32 from `rope_frequencies`.
+      kv_scales: [L, 2] float32, an 8-bit cache's K and V scale per layer, or None (1).
     Returns (o [R, H, HD], k_cache, v_cache); o matches the unfused path's attention output.
     """
     R = qkv.shape[0]
@@ -161,20 +169,23 @@ def fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, 
     has_norm = q_norm is not None
     if not has_norm:
         q_norm = k_norm = jnp.ones((1, HD), qkv.dtype)
+    has_scales = kv_scales is not None
+    if not has_scales:  # a placeholder the kernel does not read
+        kv_scales = jnp.ones((1, 2), jnp.float32)
 
     attn_shapes = split_out_shapes(num_splits, R, 1, H, HD, qkv.dtype)
     cache_shapes = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                     jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
     kernel = functools.partial(
         _kernel, num_heads=H, group=group, block_rows=block_rows, block_k=block_k, num_splits=num_splits,
-        scale=scale, ctx_len=ctx_len, eps=eps, has_norm=has_norm)
+        scale=scale, ctx_len=ctx_len, eps=eps, has_norm=has_norm, has_scales=has_scales)
     n_attn = len(attn_shapes)
     outs = pl.pallas_call(
         kernel,
         grid=(R, KVH, num_splits),
         out_shape=attn_shapes + cache_shapes,
-        # Inputs 10 and 11 are the caches: written in place, read only at other slots.
-        input_output_aliases={10: n_attn, 11: n_attn + 1},
+        # Inputs 11 and 12 are the caches: written in place, read only at other slots.
+        input_output_aliases={11: n_attn, 12: n_attn + 1},
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
         name=f"fused_decode_bm{block_rows}_bk{block_k}_s{num_splits}",
@@ -188,8 +199,11 @@ def fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, 
         qkv.reshape(R, H + 2 * KVH, HD),  # [R, (H+2KVH)*HD] -> [R, H+2KVH, HD]: head-major, free
         q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype),
         jnp.asarray(rope_freq, jnp.float32),
+        jnp.asarray(kv_scales, jnp.float32),
         k_cache, v_cache,
     )
     k_cache, v_cache = outs[n_attn:]
     o = merge_splits(outs[:n_attn], num_splits, qkv.dtype)
+    if has_scales:  # the cache holds v / v_scale: the weighted sum comes out v_scale too small
+        o = (o.astype(jnp.float32) * jnp.asarray(kv_scales, jnp.float32)[layer, 1]).astype(qkv.dtype)
     return o.reshape(R, H, HD), k_cache, v_cache  # [R, 1, H, HD] -> [R, H, HD]

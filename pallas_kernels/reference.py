@@ -17,18 +17,25 @@ MASK_VALUE = -1e30
 
 
 # -- what the cache holds ------------------------------------------------------------------
-# The cache is in the model's dtype, or in an 8-bit float (EngineConfig.kv_cache_dtype) with
-# a scale of 1: K/V are stored rounded to it, and read back converted to the queries' dtype
-# before any product, so every attention path computes with the same rounded values.
+# The cache is in the model's dtype, or in an 8-bit float (EngineConfig.kv_cache_dtype): K/V
+# are stored rounded to it, and read back converted to the queries' dtype before any
+# product, so every attention path computes with the same rounded values. An 8-bit cache
+# may have a scale per layer for K and one for V (a checkpoint's calibrated `k_scale` /
+# `v_scale`; models/transformer.forward): it then holds K / k_scale, and attention takes
+# q * k_scale and multiplies its output by v_scale, which is attention over the dequantized
+# K/V without touching the cache inside the kernels.
 
 
 def is_8bit(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 1
 
 
-def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
-    """x rounded to the cache's dtype. Into an 8-bit float, values past its largest finite
-    one saturate (e4m3fn has no infinity: a plain convert would turn them into NaN)."""
+def to_cache_dtype(x: jax.Array, dtype, scale=None) -> jax.Array:
+    """x (divided by `scale` where given, in float32) rounded to the cache's dtype. Into an
+    8-bit float, values past its largest finite one saturate (e4m3fn has no infinity: a
+    plain convert would turn them into NaN)."""
+    if scale is not None:
+        x = x.astype(jnp.float32) / scale
     if is_8bit(dtype):
         big = float(jnp.finfo(dtype).max)
         x = jnp.clip(x.astype(jnp.float32), -big, big)

@@ -227,3 +227,152 @@ def test_kv_cache_dtype_option_and_flag():
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-cache-dtype", "fp4"])
 
+
+
+# -- per-layer scales (a checkpoint's calibrated k_scale / v_scale) ---------------------------
+
+
+def test_scales_hold_what_scale_one_would_saturate():
+    """A cache scale divides what is stored and multiplies back what attention reads: keys
+    far past e4m3's 448 come back within its rounding (2^-4) where scale 1 saturates them,
+    and attention with q * k_scale and output * v_scale over the stored values is attention
+    over the dequantized cache."""
+    x = jnp.asarray(np.linspace(-3000.0, 3000.0, 101), jnp.float32)
+    back = np.asarray(to_cache_dtype(x, E4M3, 8.0)).astype(np.float32) * 8.0
+    np.testing.assert_allclose(back, np.asarray(x), rtol=2.0 ** -4, atol=1e-6)
+    assert np.abs(np.asarray(to_cache_dtype(x, E4M3)).astype(np.float32)).max() == 448.0
+
+    b = make_paged_batch(kv_lens=[13, 27], num_q=2, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+    ks, vs = 0.37, 2.5
+    k8, v8 = to_cache_dtype(b.k_cache * 100, E4M3, ks), to_cache_dtype(b.v_cache, E4M3, vs)
+    rest = (b.layer, b.req_to_token, b.entries, b.q_positions, b.kv_lens)
+    got = paged_attention_ref(b.q * ks, k8, v8, *rest, scale=0.01, ctx_len=b.ctx_len) * vs
+    want = paged_attention_ref(b.q, k8.astype(jnp.float32) * ks, v8.astype(jnp.float32) * vs, *rest, scale=0.01,
+                               ctx_len=b.ctx_len)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_decode_applies_the_scales_as_the_unfused_path():
+    from jaxoverlap.models.transformer import apply_rope, rms_norm, split_qkv, write_cache
+
+    H, KVH, HD, eps = 8, 2, 32, 1e-6
+    b = make_paged_batch(kv_lens=[7, 30], num_q=1, num_heads=H, num_kv_heads=KVH, head_dim=HD, page_size=4,
+                         padded_rows=1)
+    L = b.k_cache.shape[0]
+    scales = jnp.asarray(np.stack([np.linspace(0.02, 0.05, L), np.linspace(0.5, 0.7, L)], axis=1), jnp.float32)
+    k8 = to_cache_dtype(b.k_cache, E4M3, scales[:, :1, None, None])  # [L, S, KVH, HD] / [L, 1, 1, 1]
+    v8 = to_cache_dtype(b.v_cache, E4M3, scales[:, 1:, None, None])
+    rng = np.random.default_rng(5)
+    R = 3
+    qkv = jnp.asarray(rng.standard_normal((R, (H + 2 * KVH) * HD)), jnp.float32)
+    pos = jnp.asarray(np.asarray(b.q_positions)[:, 0])
+    real = np.asarray(b.kv_lens) > 0
+    slots = jnp.asarray(np.where(real, np.asarray(b.req_to_token)[np.asarray(b.entries), np.asarray(pos)], 0),
+                        jnp.int32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, HD, 2, dtype=np.float32) / HD))
+    q, k, v = split_qkv(qkv[:, None], H, KVH, HD, 1)  # [R, 1, H | KVH, HD]
+    q, k = apply_rope(q, pos[:, None], inv_freq), apply_rope(k, pos[:, None], inv_freq)
+    ks, vs = scales[b.layer, 0], scales[b.layer, 1]
+    want_k = write_cache(k8, b.layer, slots, jnp.asarray(real), k.reshape(R, KVH, HD), ks)
+    want_v = write_cache(v8, b.layer, slots, jnp.asarray(real), v.reshape(R, KVH, HD), vs)
+    want_o = paged_attention_ref(q * ks, want_k, want_v, b.layer, b.req_to_token, b.entries, pos[:, None],
+                                 b.kv_lens, scale=HD ** -0.5, ctx_len=b.ctx_len)[:, 0] * vs
+    got_o, got_k, got_v = fused_decode_attention(
+        qkv, jnp.array(k8), jnp.array(v8), b.layer, b.req_to_token, b.entries, pos, b.kv_lens, slots, None, None,
+        rope_frequencies(inv_freq), scales, num_heads=H, num_kv_heads=KVH, eps=eps, scale=HD ** -0.5,
+        ctx_len=b.ctx_len, interpret=True)
+    as_bytes = lambda a: np.asarray(a).view(np.uint8)[:, 4:]  # noqa: E731  (page 0 = slots 0..3)
+    np.testing.assert_array_equal(as_bytes(got_k), as_bytes(want_k))
+    np.testing.assert_array_equal(as_bytes(got_v), as_bytes(want_v))
+    np.testing.assert_allclose(np.asarray(got_o), np.asarray(want_o), atol=1e-4, rtol=1e-4)
+    # Without the scales the same kernel gives another output (the check can fail).
+    plain, _, _ = fused_decode_attention(
+        qkv, jnp.array(k8), jnp.array(v8), b.layer, b.req_to_token, b.entries, pos, b.kv_lens, slots, None, None,
+        rope_frequencies(inv_freq), num_heads=H, num_kv_heads=KVH, eps=eps, scale=HD ** -0.5,
+        ctx_len=b.ctx_len, interpret=True)
+    assert np.abs(np.asarray(plain) - np.asarray(want_o)).max() > 1e-2
+
+
+def _checkpoint_with_kv_scales(tmp_path, scales: dict) -> str:
+    """The embedded default model copied, plus a shard of `scales` ({tensor name: value})
+    listed in a shard index."""
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from jaxoverlap.models.loader import SafetensorsReader, default_model_path
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(default_model_path(), path)
+    save_file({k: np.asarray(v, np.float32) for k, v in scales.items()}, str(path / "kv_scales.safetensors"))
+    names = SafetensorsReader([str(path / "model.safetensors")]).names()
+    weight_map = {**{n: "model.safetensors" for n in names}, **{n: "kv_scales.safetensors" for n in scales}}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return str(path)
+
+
+def test_engine_takes_the_checkpoint_kv_scales(tmp_path):
+    """An FP8 checkpoint's `self_attn.k_scale` / `v_scale` become the 8-bit cache's scales:
+    every attention path serves the dense forward with them, which is another model than
+    scale 1's; a 16-bit cache ignores them."""
+    from jaxoverlap.models.config import ModelConfig
+    from jaxoverlap.models.loader import default_model_path, load_params
+
+    cfg = ModelConfig.from_path(default_model_path())
+    # Small enough that many K/V over their scale pass 448 and saturate: a model that differs
+    # visibly from scale 1's (within e4m3's range a scale barely changes the rounding).
+    want = np.stack([np.linspace(2e-3, 4e-3, cfg.num_layers), np.linspace(1e-3, 2e-3, cfg.num_layers)], axis=1)
+    path = _checkpoint_with_kv_scales(tmp_path, {
+        **{f"model.layers.{i}.self_attn.k_scale": want[i, 0] for i in range(cfg.num_layers)},
+        **{f"model.layers.{i}.self_attn.v_scale": np.asarray([want[i, 1]]) for i in range(cfg.num_layers)}})
+    opts = dict(model=path, dtype="float32", max_running_requests=4, max_context_len=64, kv_cache_tokens=256,
+                batch_buckets=(4,), chunked_prefill_size=32)
+    from jaxoverlap.engine import Engine
+
+    g = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", [5, 6, 7, 8, 9, 10], g), ("b", list(range(40, 70)), g)]}
+    runs = {}
+    for name, extra in (("xla", {}), ("fused", dict(attention_backend="pallas")),
+                        ("unfused", dict(attention_backend="pallas", disable_fused_decode=True))):
+        eng = Engine(EngineConfig(kv_cache_dtype="fp8", **opts, **extra))
+        np.testing.assert_allclose(np.asarray(eng.runner.params.kv_scales), want, rtol=1e-6)
+        runs[name] = _tokens(eng, arrivals)
+    assert runs["fused"] == runs["xla"] == runs["unfused"]
+    import dataclasses
+
+    params = dataclasses.replace(load_params(path, cfg, jnp.float32), kv_scales=jnp.asarray(want, jnp.float32))
+    for rid, prompt, _ in arrivals[0]:
+        logits = np.asarray(dense_logits(params, cfg, jnp.asarray(prompt + runs["xla"][rid], jnp.int32),
+                                         cache_dtype=E4M3))
+        np.testing.assert_array_equal(np.argmax(logits[len(prompt) - 1:-1], axis=-1), runs["xla"][rid])
+    unscaled = Engine(EngineConfig(kv_cache_dtype="fp8", model=default_model_path(),
+                                   **{k: v for k, v in opts.items() if k != "model"}))
+    assert unscaled.runner.params.kv_scales is None and _tokens(unscaled, arrivals) != runs["xla"]
+    assert Engine(EngineConfig(**opts)).runner.params.kv_scales is None  # 16-bit cache
+
+
+def test_checkpoint_kv_scale_names_and_refusals(tmp_path):
+    from jaxoverlap.models.config import CheckpointError
+    from jaxoverlap.models.config import ModelConfig
+    from jaxoverlap.models.loader import default_model_path, kv_cache_scales
+
+    cfg = ModelConfig.from_path(default_model_path())
+    L = cfg.num_layers
+    assert kv_cache_scales(default_model_path(), cfg) is None
+    # The older single kv_scale serves K and V; ModelOpt's names under k_proj / v_proj.
+    one = _checkpoint_with_kv_scales(tmp_path / "one", {f"model.layers.{i}.self_attn.kv_scale": 0.5 + i
+                                                         for i in range(L)})
+    np.testing.assert_array_equal(kv_cache_scales(one, cfg), [[0.5 + i, 0.5 + i] for i in range(L)])
+    modelopt = _checkpoint_with_kv_scales(tmp_path / "mo", {
+        **{f"model.layers.{i}.self_attn.k_proj.k_scale": 2.0 for i in range(L)},
+        **{f"model.layers.{i}.self_attn.v_proj.v_scale": 3.0 for i in range(L)}})
+    np.testing.assert_array_equal(kv_cache_scales(modelopt, cfg), [[2.0, 3.0]] * L)
+    some = _checkpoint_with_kv_scales(tmp_path / "some", {"model.layers.0.self_attn.k_scale": 1.0,
+                                                          "model.layers.0.self_attn.v_scale": 1.0})
+    with pytest.raises(CheckpointError, match="some layers only"):
+        kv_cache_scales(some, cfg)
+    bad = _checkpoint_with_kv_scales(tmp_path / "bad", {f"model.layers.{i}.self_attn.kv_scale": -1.0 + 2 * i
+                                                         for i in range(L)})
+    with pytest.raises(CheckpointError, match="expected one positive number"):
+        kv_cache_scales(bad, cfg)

@@ -15,6 +15,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from engine_fixtures import make_engine, run_workload, tiny_config, tiny_params  # noqa: E402
 from jaxoverlap import engine as engine_module  # noqa: E402
@@ -208,6 +209,13 @@ def main():
         out[f"kv-fp8-{name}-{tp}"] = {"tokens": {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())},
                                       "dtype": str(eng.runner.state.k_cache.dtype),
                                       "kv_devices": len(eng.runner.state.k_cache.sharding.device_set)}
+    # With per-layer cache scales (small: many K/V saturate, so a model of their own): the
+    # fused kernel under shard_map takes them replicated.
+    scaled = dataclasses.replace(tiny_params(cfg), kv_scales=jnp.asarray(
+        np.stack([np.linspace(2e-3, 4e-3, cfg.num_layers), np.linspace(1e-3, 2e-3, cfg.num_layers)], 1), jnp.float32))
+    for name, tp, options in (("xla", 1, xla), ("pallas", 2, pallas)):
+        eng = make_engine(cfg, params=scaled, tensor_parallel_size=tp, kv_cache_dtype="fp8", **options)
+        out[f"kv-scaled-{name}-{tp}"] = {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())}
     seconds["kv-fp8"] = round(time.perf_counter() - t0, 1)
     # Layouts kept across steps (parallel.StateSharding): an untied LM head over a vocabulary
     # the mesh divides splits the logits and with them the penalty history; the Pallas
