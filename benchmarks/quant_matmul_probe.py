@@ -8,8 +8,11 @@ weights held as:
 
 - bf16: the baseline;
 - fp8_channel / int8_channel: 8-bit weights with one scale per output column, applied to
-  the matmul's float32 output (models/quant.py's `linear`, what the engine's
-  quantization="fp8" runs), so only a convert sits on the operand;
+  the matmul's float32 output (models/quant.py's `linear` on XLA's path), so only a convert
+  sits on the operand;
+- fp8_kernel: fp8_channel's weights through the Pallas kernel that converts them in
+  registers (pallas_kernels/fp8_matmul.py, what the engine's quantization="fp8" runs for
+  decode rows on the Pallas backend);
 - fp8_block: 8-bit weights with one scale per 128 x 128 block (the layout of fine-grained
   FP8 checkpoints such as Qwen3-8B-FP8), dequantized in the program before the matmul;
 - fp8_fp8: the activations quantized too (one dynamic scale per row), an fp8 x fp8 matmul.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -36,7 +40,7 @@ from common import ensure_importable, median, print_table  # noqa: E402
 
 QWEN3_8B = dict(layers=36, hidden=4096, qkv=6144, attn=4096, ffn=12288)
 TINY = dict(layers=2, hidden=256, qkv=384, attn=256, ffn=512)
-FORMATS = ("bf16", "fp8_channel", "int8_channel", "fp8_block", "fp8_fp8")
+FORMATS = ("bf16", "fp8_channel", "fp8_kernel", "int8_channel", "fp8_block", "fp8_fp8")
 BLOCK = 128
 
 
@@ -49,7 +53,7 @@ def make_weights(jax, jnp, shape, fmt, key):
         w = jax.random.normal(k, (rows, cols), jnp.float32) * 0.02
         if fmt == "bf16":
             return {"w": w.astype(jnp.bfloat16)}
-        if fmt in ("fp8_channel", "int8_channel", "fp8_fp8"):
+        if fmt in ("fp8_channel", "fp8_kernel", "int8_channel", "fp8_fp8"):
             top = 448.0 if fmt != "int8_channel" else 127.0
             s = jnp.max(jnp.abs(w), axis=0) / top  # [cols]
             q = w / s
@@ -76,6 +80,14 @@ def matmul(jnp, x, w, fmt):
         from jaxoverlap.models.quant import Fp8Weight, linear
 
         return linear(x, Fp8Weight(w["w"], w["s"]))
+    if fmt == "fp8_kernel":
+        import jax
+
+        from jaxoverlap.models.quant import Fp8Weight, linear
+        from jaxoverlap.pallas_kernels.fp8_matmul import fp8_matmul
+
+        kernel = functools.partial(fp8_matmul, interpret=jax.default_backend() != "gpu")
+        return linear(x, Fp8Weight(w["w"], w["s"]), kernel=kernel)
     if fmt == "fp8_block":
         rows, cols = w["w"].shape
         scale = jnp.repeat(jnp.repeat(w["s"], BLOCK, axis=0), BLOCK, axis=1)  # [Rb, Cb] -> [rows, cols]

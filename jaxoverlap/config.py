@@ -61,8 +61,9 @@ class EngineConfig:
     # array per kind (models/params.stack_layers), so a step call has fewer argument leaves
     # (Qwen3-8B: 151 per layer, 43 with G = 4) and the host's launch less per-buffer work.
     # 1 keeps one array per layer; under tensor parallelism the weights stay per layer.
-    # None: 4 on one GPU (engine.GPU_LAYERS_PER_WEIGHT_STACK), 1 elsewhere (XLA:CPU copies
-    # the slices out, and there the launch is not what limits the host).
+    # None: 4 on one GPU (engine.GPU_LAYERS_PER_WEIGHT_STACK; 1 with FP8 weights, which XLA
+    # reads far slower stacked), 1 elsewhere (XLA:CPU copies the slices out, and there the
+    # launch is not what limits the host).
     layers_per_weight_stack: int | None = None
     # Positions each running row gets beyond its need whenever a decode step reserves pages
     # anyway, while free pages allow (SchedulerConfig.reserve_slack): rows then take their

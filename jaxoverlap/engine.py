@@ -296,6 +296,14 @@ class Engine:
         group = config.layers_per_weight_stack
         if group is None:
             group = GPU_LAYERS_PER_WEIGHT_STACK if jax.default_backend() == "gpu" else 1
+            if config.quantization:
+                # Measured on an H100 (Qwen3-8B, batch 1, benchmarks/RESULTS.md 2026-12-07): XLA's
+                # matmul over a slice of a stacked 8-bit matrix took 22.3 ms a step, per-layer
+                # 8-bit matrices 5.2 ms.
+                group = 1
+        elif config.quantization and group > 1:
+            logger.warning("layers_per_weight_stack=%d with quantization=%r: XLA reads stacked 8-bit weights "
+                           "about 4x slower than per-layer ones (benchmarks/RESULTS.md)", group, config.quantization)
         if config.tensor_parallel_size > 1:
             group = 1
         if group > 1:

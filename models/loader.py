@@ -70,7 +70,7 @@ _ML_DTYPES = {
 # dequantized at load do not use: an FP8 checkpoint's weight scales (read with their weights),
 # and the activation and KV-cache scales of static schemes (activations and the KV cache stay
 # in the model's dtype).
-_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.weight_scale_inv|\.weight_scale|\.input_scale|\.[kv]_scale|\.kv_scale)$")
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.weight_scale_inv|\.weight_scale|\.input_scale|\.k?[kv]_scale)$")
 _FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
 

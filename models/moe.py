@@ -133,12 +133,12 @@ def swiglu(gate_up: jax.Array, shards: int) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, shards: int) -> jax.Array:
+def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, shards: int, fp8_matmul=None) -> jax.Array:
     """A dense SwiGLU MLP: x [..., D] -> [..., D] in x's dtype, with `w_gate_up [D, 2F]` in
     `shards` per-shard [gate | up] blocks and `w_down [F, D]`. A dense layer's MLP
     (transformer.gated_mlp) and a MoE layer's shared expert. Either matrix may be an FP8
-    weight (models/quant.py)."""
-    return linear(swiglu(linear(x, w_gate_up), shards), w_down)
+    weight (models/quant.py), multiplied by the backend's `fp8_matmul` kernel where given."""
+    return linear(swiglu(linear(x, w_gate_up, kernel=fp8_matmul), shards), w_down, kernel=fp8_matmul)
 
 
 def _dense(x, weights, experts, w_gate_up, w_down, shards):
@@ -247,13 +247,14 @@ def _pallas(x, weights, experts, w_gate_up, w_down, shards, expert_matmul):
 
 
 def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None,
-            force_plan: tuple[str, int] | None = None) -> jax.Array:
+            force_plan: tuple[str, int] | None = None, fp8_matmul=None) -> jax.Array:
     """The MoE MLP over h [R, Q, D] with layer weights `lw` (w_router [D, E], w_gate_up
     [E, D, 2F], w_down [E, F, D], and a shared expert's w_shared_gate_up [D, 2Fs],
     w_shared_down [Fs, D], w_shared_gate [D, 1] where it has one). `expert_matmul(x, w,
     experts)` is the attention backend's expert-matmul kernel, or None; `force_plan`
     overrides `plan` (tests, benchmarks; a forced "pallas" without a kernel runs
-    pallas_kernels/expert_matmul.py); the shared expert runs the same under every plan.
+    pallas_kernels/expert_matmul.py); the shared expert runs the same under every plan
+    (an 8-bit one through the backend's `fp8_matmul` where given).
     Returns [R, Q, D]."""
     R, Q, D = h.shape
     x = h.reshape(R * Q, D)  # [R, Q, D] -> [T, D]
@@ -277,7 +278,7 @@ def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None
         # The shared expert and its gate in the model's dtype, as the reference computes them;
         # added to the routed sum in float32 (the reference adds the two after rounding each
         # to the model's dtype: one rounding less here, within bf16's noise of it).
-        shared = swiglu_mlp(x, lw.w_shared_gate_up, lw.w_shared_down, lw.gate_up_shards)  # [T, D]
+        shared = swiglu_mlp(x, lw.w_shared_gate_up, lw.w_shared_down, lw.gate_up_shards, fp8_matmul)  # [T, D]
         gate = jax.nn.sigmoid(jnp.dot(x, lw.w_shared_gate))  # [T, 1]
         out = out + (gate * shared).astype(jnp.float32)
     return out.astype(h.dtype).reshape(R, Q, D)  # [T, D] -> [R, Q, D]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -88,15 +89,27 @@ def quantize_fp8(w: jax.Array) -> Fp8Weight:
     return Fp8Weight(q, scale)
 
 
-def linear(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
+def linear(x: jax.Array, w, preferred_element_type=None, kernel=None) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in `preferred_element_type` (x's dtype when
     None), for a plain or an Fp8Weight matrix. The 8-bit matrix is converted in the program
-    (XLA may fuse the convert into the matmul's operand read) and the scales multiply the
-    float32 output columns."""
+    and the scales multiply the float32 output columns. The conversion happens in `kernel`
+    (the attention backend's `fp8_matmul`: x [M, in], q [in, out] -> float32 [M, out];
+    pallas_kernels/fp8_matmul.py) where one is given and takes the shape, else in XLA's
+    fusion of it into the matmul."""
     if not isinstance(w, Fp8Weight):
         return jnp.dot(x, w, preferred_element_type=preferred_element_type)
-    y = jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)  # [..., out]
+    rows = math.prod(x.shape[:-1])
+    if kernel is not None and w.q.ndim == 2 and _kernel_fits(rows, *w.q.shape):
+        y = kernel(x.reshape(rows, x.shape[-1]), w.q).reshape(*x.shape[:-1], w.q.shape[1])  # [M, out] -> [..., out]
+    else:
+        y = jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)  # [..., out]
     return (y * w.scale).astype(preferred_element_type or x.dtype)
+
+
+def _kernel_fits(rows: int, k: int, n: int) -> bool:
+    from jaxoverlap.pallas_kernels.fp8_matmul import supported
+
+    return supported(rows, k, n)
 
 
 def batched_linear(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Array:

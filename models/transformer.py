@@ -64,19 +64,20 @@ def split_qkv(qkv: jax.Array, H: int, KVH: int, HD: int, shards: int):
     return q, k, v
 
 
-def gated_mlp(h: jax.Array, lw: LayerParams) -> jax.Array:
+def gated_mlp(h: jax.Array, lw: LayerParams, fp8_matmul=None) -> jax.Array:
     """SwiGLU MLP over [R, Q, D] with `w_gate_up` in its per-shard [gate | up] layout (the
     math lives in models/moe.py, whose shared experts are such MLPs too)."""
-    return swiglu_mlp(h, lw.w_gate_up, lw.w_down, lw.gate_up_shards)  # [R, Q, D]
+    return swiglu_mlp(h, lw.w_gate_up, lw.w_down, lw.gate_up_shards, fp8_matmul)  # [R, Q, D]
 
 
-def mlp(h: jax.Array, lw: LayerParams, cfg: ModelConfig, expert_matmul=None) -> jax.Array:
+def mlp(h: jax.Array, lw: LayerParams, cfg: ModelConfig, expert_matmul=None, fp8_matmul=None) -> jax.Array:
     """The layer's MLP over [R, Q, D]: routed experts (and a shared expert where the layer
     has one) in a MoE layer, with the backend's `expert_matmul` kernel where it has one;
-    else one SwiGLU."""
+    else one SwiGLU. 8-bit matrices go through the backend's `fp8_matmul` where it has one."""
     if lw.w_router is not None:
-        return moe_mlp(h, lw, top_k=cfg.experts_per_token, normalize=cfg.norm_topk_prob, expert_matmul=expert_matmul)
-    return gated_mlp(h, lw)
+        return moe_mlp(h, lw, top_k=cfg.experts_per_token, normalize=cfg.norm_topk_prob, expert_matmul=expert_matmul,
+                       fp8_matmul=fp8_matmul)
+    return gated_mlp(h, lw, fp8_matmul)
 
 
 def write_cache(cache: jax.Array, layer: int, slots: jax.Array, valid: jax.Array, values: jax.Array,
@@ -133,6 +134,7 @@ def forward(
     fused_shards = getattr(attention, "fused_qkv_shards", 1)
     fused_add_norm = getattr(attention, "add_rms_norm", None) if Q == 1 else None
     expert_matmul = getattr(attention, "expert_matmul", None)  # models/moe.py: the "pallas" plan
+    fp8_matmul = getattr(attention, "fp8_matmul", None)  # 8-bit weight matrices (models/quant.linear)
     D = params.embed.shape[1]
     if fused is not None or fused_add_norm is not None:
         from jaxoverlap.pallas_kernels import add_norm as add_norm_kernel
@@ -157,7 +159,7 @@ def forward(
     L = num_layers(params)
     for i in range(L):
         lw = layer_at(params, i)
-        qkv = linear(h, lw.wqkv)  # [R, Q, (H + 2KVH) * HD]
+        qkv = linear(h, lw.wqkv, kernel=fp8_matmul)  # [R, Q, (H + 2KVH) * HD]
         if params.bqkv is not None:
             qkv = qkv + params.bqkv[i]
         if fused is not None and lw.qkv_shards == fused_shards:
@@ -174,7 +176,8 @@ def forward(
             k = apply_rope(k, positions, inv_freq)
             k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             # The cache buffers are donated by the step, so these scatters update in place.
-            k_cache = write_cache(k_cache, i, slots, writes, k.reshape(R * Q, KVH, HD), k_scale)  # [R, Q, KVH, HD] -> [R*Q, ...]
+            # [R, Q, KVH, HD] -> [R*Q, KVH, HD]
+            k_cache = write_cache(k_cache, i, slots, writes, k.reshape(R * Q, KVH, HD), k_scale)
             v_cache = write_cache(v_cache, i, slots, writes, v.reshape(R * Q, KVH, HD), v_scale)
             if k_scale is not None:
                 q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
@@ -182,11 +185,11 @@ def forward(
                           ctx_len=ctx_len)
             if v_scale is not None:
                 o = (o.astype(jnp.float32) * v_scale).astype(o.dtype)
-        x, h = add_norm(x, linear(o.reshape(R, Q, H * HD), lw.wo), params.mlp_norm, i)  # [R, Q, D]
+        x, h = add_norm(x, linear(o.reshape(R, Q, H * HD), lw.wo, kernel=fp8_matmul), params.mlp_norm, i)  # [R, Q, D]
         # The residual add of the MLP comes with the next layer's input norm (the final norm last).
         last = i == L - 1
-        x, h = add_norm(x, mlp(h, lw, cfg, expert_matmul), params.final_norm[None] if last else params.attn_norm,
-                        0 if last else i + 1)
+        x, h = add_norm(x, mlp(h, lw, cfg, expert_matmul, fp8_matmul),
+                        params.final_norm[None] if last else params.attn_norm, 0 if last else i + 1)
     return h, k_cache, v_cache
 
 

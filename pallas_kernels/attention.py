@@ -6,7 +6,7 @@ plus keyword-only options, so the engine can pick the backend by a flag.
 
 from __future__ import annotations
 
-from . import add_norm, expert_matmul
+from . import add_norm, expert_matmul, fp8_matmul
 from .decode import MAX_ROWS, paged_decode_attention
 from .fused_decode import fused_decode_attention
 from .prefill import paged_prefill_attention
@@ -57,7 +57,9 @@ class PallasAttention:
     - `fused_decode`: q/k norm, RoPE, cache write and attention of a layer (fused_decode.py);
     - `add_rms_norm`: each residual add with the RMS norm after it (add_norm.py);
     and, for mixture-of-experts layers of a few tokens (models/moe.py, the "pallas" plan):
-    - `expert_matmul`: rows times their own expert's matrix, read in place (expert_matmul.py).
+    - `expert_matmul`: rows times their own expert's matrix, read in place (expert_matmul.py);
+    and for 8-bit weight matrices (models/quant.linear) of a few rows:
+    - `fp8_matmul`: the matrix converted in registers (fp8_matmul.py).
 
     Steps take the backend as a static argument, so create one object per configuration
     and reuse it (the engine caches them); equal objects would not share compilations."""
@@ -86,6 +88,11 @@ class PallasAttention:
         """x [A, K], w [E, K, N], experts [A] -> [A, N] (in x's dtype unless `out_dtype`);
         models/moe.py checks `supported` first."""
         return expert_matmul.expert_matmul(x, w, experts, interpret=self.interpret, out_dtype=out_dtype)
+
+    def fp8_matmul(self, x, q):
+        """x [M, K] @ q [K, N] (8-bit) -> float32 [M, N]; quant.linear checks
+        `fp8_matmul.supported` first."""
+        return fp8_matmul.fp8_matmul(x, q, interpret=self.interpret)
 
     def __repr__(self):
         return f"PallasAttention(interpret={self.interpret}, fuse_decode={self.fused_decode is not None})"

@@ -305,8 +305,11 @@ def test_quant_matmul_probe(tmp_path):
     axis would not), and the rows say how each compares."""
     res = run_script(tmp_path, "quant_matmul_probe", "--tiny", "--batches", "1", "4", "--iters", "1", "--repeats", "1")
     rows = res["rows"]
-    assert [(r["format"], r["batch"]) for r in rows] == [(f, b) for f in ("bf16", "fp8_channel", "int8_channel",
-                                                                          "fp8_block", "fp8_fp8") for b in (1, 4)]
+    assert [(r["format"], r["batch"]) for r in rows] == [
+        (f, b) for f in ("bf16", "fp8_channel", "fp8_kernel", "int8_channel", "fp8_block", "fp8_fp8") for b in (1, 4)]
     for r in rows:
         assert "error" not in r and r["period_ms"] > 0 and r["vs_bf16"] > 0, r
         assert r["rel_err"] < (1e-9 if r["format"] == "bf16" else 0.2), r
+    # The kernel computes fp8_channel's product (to float32 rounding, then bf16's).
+    err = {(r["format"], r["batch"]): r["rel_err"] for r in rows}
+    assert all(abs(err["fp8_kernel", b] - err["fp8_channel", b]) < 0.01 for b in (1, 4)), err

@@ -166,7 +166,8 @@ def test_engine_serves_the_dense_forward_of_an_8bit_cache():
         np.testing.assert_array_equal(np.argmax(logits[len(prompt) - 1:-1], axis=-1), got[rid])
     # The rounding changes the logits (so the comparison above could fail on a bf16 cache).
     seq = jnp.asarray(ARRIVALS[3][0][1], jnp.int32)
-    diff = np.abs(np.asarray(dense_logits(params, cfg, seq, cache_dtype=E4M3)) - np.asarray(dense_logits(params, cfg, seq)))
+    eight, full = dense_logits(params, cfg, seq, cache_dtype=E4M3), dense_logits(params, cfg, seq)
+    diff = np.abs(np.asarray(eight) - np.asarray(full))
     assert diff.max() > 1e-4
 
     for options in (dict(attention_backend="pallas"), dict(attention_backend="pallas", disable_fused_decode=True),

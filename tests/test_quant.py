@@ -229,3 +229,78 @@ def test_loader_quantizes_each_layer_as_it_loads(hf_checkpoint, tmp_path, monkey
     if how.startswith("cache"):  # the cache restores full precision
         restored = loader.load_params(path, cfg, jnp.float32, cache_dir=opts["cache_dir"])
         assert not isinstance(restored.layers[0].wqkv, Fp8Weight)
+
+
+@pytest.mark.parametrize("rows,k,n,splits,dtype", [
+    (1, 256, 384, None, jnp.float32),  # one decode row, split contraction
+    (5, 384, 128, 3, jnp.float32),  # 3 splits of the 3 contraction blocks
+    (16, 128, 256, 1, jnp.float32),
+    (40, 256, 128, None, jnp.bfloat16),  # rows padded to 64
+])
+def test_fp8_matmul_kernel_is_the_converted_matmul(rows, k, n, splits, dtype):
+    """pallas_kernels/fp8_matmul.py (interpreted): x times the 8-bit matrix converted to x's
+    dtype, in float32, for any split of the contraction and rows padded to a power of two."""
+    from jaxoverlap.pallas_kernels.fp8_matmul import fp8_matmul
+
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32).astype(dtype)
+    qw = quantize_fp8(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
+    got = fp8_matmul(x, qw.q, interpret=True, splits=splits)
+    assert got.shape == (rows, n) and got.dtype == jnp.float32
+    want = jnp.dot(x, qw.q.astype(dtype), preferred_element_type=jnp.float32)
+    # The 8-bit values run up to 448, so the sums to thousands: summation order shows in
+    # float32's last places relative to that size.
+    tol = (1e-6 if dtype == jnp.float32 else 1e-2) * float(jnp.abs(want).max())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=tol)
+
+
+def test_fp8_matmul_kernel_shapes_and_linear_dispatch():
+    """`linear` uses the kernel for 2-D 8-bit matrices of shapes it takes (scaling its
+    output as the XLA path does), and the XLA path otherwise."""
+    from jaxoverlap.pallas_kernels.fp8_matmul import choose_splits, fp8_matmul, supported
+
+    assert supported(64, 4096, 4096) and not supported(65, 4096, 4096) and not supported(8, 100, 128)
+    # Qwen3-8B's decode matrices: about two programs per SM of 132.
+    assert choose_splits(4096, 6144) == 4 and choose_splits(4096, 4096) == 8 and choose_splits(12288, 4096) == 8
+    assert choose_splits(4096, 24576) == 1
+    with pytest.raises(ValueError, match="fp8_matmul takes"):
+        fp8_matmul(jnp.ones((2, 100)), jnp.ones((100, 128), FP8), interpret=True)
+    calls = []
+
+    def kernel(x2, q):
+        calls.append((x2.shape, q.shape))
+        return fp8_matmul(x2, q, interpret=True)
+
+    rng = np.random.default_rng(7)
+    qw = quantize_fp8(jnp.asarray(rng.standard_normal((128, 256)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((3, 2, 128)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(linear(x, qw, kernel=kernel)), np.asarray(linear(x, qw)), rtol=1e-5,
+                               atol=1e-5)
+    assert calls == [((6, 128), (128, 256))]
+    linear(jnp.ones((100, 128)), qw, kernel=kernel)  # 100 rows: XLA's matmul
+    assert len(calls) == 1
+
+
+def test_engine_fp8_through_the_pallas_matmul_kernel():
+    """On the Pallas backend the engine's 8-bit matrices go through the fp8_matmul kernel
+    (interpreted here) for decode rows: the XLA path's greedy tokens."""
+    from jaxoverlap.pallas_kernels import fp8_matmul as kernel_module
+
+    cfg = tiny_config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    g = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", [1, 2, 3, 4, 5], g), ("b", list(range(10, 30)), g)]}
+    want = run_workload(make_engine(cfg, quantization="fp8"), arrivals)
+    seen = []
+    real = kernel_module.fp8_matmul
+
+    def counted(x, q, **kw):
+        seen.append(x.shape[0])
+        return real(x, q, **kw)
+
+    kernel_module.fp8_matmul = counted
+    try:
+        got = run_workload(make_engine(cfg, quantization="fp8", attention_backend="pallas"), arrivals)
+    finally:
+        kernel_module.fp8_matmul = real
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+    assert seen and max(seen) <= 64  # traced for decode rows (prefill chunks take XLA's matmul)
