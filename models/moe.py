@@ -212,18 +212,17 @@ def _sliced(x, weights, experts, w_gate_up, w_down, shards):
     return jnp.stack(out)  # T x [D] -> [T, D]
 
 
-def _default_expert_matmul(x, w, experts, out_dtype=None):
+def _default_expert_matmul(x, w, experts, out_dtype=None, scale=None):
     from jaxoverlap.pallas_kernels.expert_matmul import expert_matmul
 
-    return expert_matmul(x, w, experts, interpret=jax.default_backend() != "gpu", out_dtype=out_dtype)
+    return expert_matmul(x, w, experts, interpret=jax.default_backend() != "gpu", out_dtype=out_dtype, scale=scale)
 
 
 def kernel_fits(expert_matmul, w_gate_up: jax.Array, w_down: jax.Array) -> bool:
     """Whether the "pallas" plan can run: a kernel given (the Pallas attention backend on one
     device has it; a Pallas call is not partitioned by XLA, so none under a mesh) and the
-    layer's shapes ones it takes. Not with 8-bit experts (models/quant.py), which the kernel
-    does not read."""
-    if expert_matmul is None or isinstance(w_gate_up, Fp8Weight):
+    layer's shapes ones it takes. 8-bit experts (models/quant.py) it reads as they are."""
+    if expert_matmul is None:
         return False
     from jaxoverlap.pallas_kernels.expert_matmul import supported
 
@@ -239,10 +238,16 @@ def _pallas(x, weights, experts, w_gate_up, w_down, shards, expert_matmul):
     A = T * k
     flat = experts.reshape(A)  # [T, k] -> [A]
     rows = jnp.repeat(x, k, axis=0)  # [A, D]: row a is token a // k
-    act = swiglu(expert_matmul(rows, w_gate_up, flat), shards)  # [A, F]
+
+    def matmul(inputs, w, **kw):  # an 8-bit expert stack as its matrices and column scales
+        if isinstance(w, Fp8Weight):
+            return expert_matmul(inputs, w.q, flat, scale=w.scale, **kw)
+        return expert_matmul(inputs, w, flat, **kw)
+
+    act = swiglu(matmul(rows, w_gate_up), shards)  # [A, F]
     act = act * weights.reshape(A)[:, None]  # [T, k] -> [A]
     # float32 out, summed over the k experts before one rounding, as the XLA plans do.
-    y = expert_matmul(act, w_down, flat, out_dtype=jnp.float32)  # [A, D]
+    y = matmul(act, w_down, out_dtype=jnp.float32)  # [A, D]
     return y.reshape(T, k, D).sum(axis=1)  # [A, D] -> [T, k, D] -> [T, D]
 
 
@@ -266,8 +271,6 @@ def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None
     if kind == "dense":
         out = _dense(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
     elif kind == "pallas":
-        if isinstance(lw.w_gate_up, Fp8Weight):
-            raise ValueError("the expert-matmul kernel reads bf16 experts, not 8-bit ones (models/quant.py)")
         out = _pallas(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards,
                       expert_matmul or _default_expert_matmul)
     elif kind == "sliced":

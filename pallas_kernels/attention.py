@@ -84,10 +84,10 @@ class PallasAttention:
         `add_norm.supported(D)` first."""
         return add_norm.add_rms_norm(x, delta, weights, row=row, eps=eps, interpret=self.interpret)
 
-    def expert_matmul(self, x, w, experts, out_dtype=None):
-        """x [A, K], w [E, K, N], experts [A] -> [A, N] (in x's dtype unless `out_dtype`);
-        models/moe.py checks `supported` first."""
-        return expert_matmul.expert_matmul(x, w, experts, interpret=self.interpret, out_dtype=out_dtype)
+    def expert_matmul(self, x, w, experts, out_dtype=None, scale=None):
+        """x [A, K], w [E, K, N], experts [A] -> [A, N] (in x's dtype unless `out_dtype`;
+        8-bit w with its column `scale` [E, N]); models/moe.py checks `supported` first."""
+        return expert_matmul.expert_matmul(x, w, experts, interpret=self.interpret, out_dtype=out_dtype, scale=scale)
 
     def fp8_matmul(self, x, q):
         """x [M, K] @ q [K, N] (8-bit) -> float32 [M, N]; quant.linear checks

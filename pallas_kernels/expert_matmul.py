@@ -15,6 +15,9 @@ benchmarks/expert_matmul_bench.py sweeps them on the GPU. The weights are [E, K,
 BN >= 64 keeps each segment at least a 128-byte line in bf16. At decode sizes the work is
 a matrix-vector product per row, bound by the bytes of the experts, so the elementwise
 product and sum (no tensor-core dot, which wants 16 rows) costs nothing that matters.
+
+8-bit experts (models/quant.py's Fp8Weight: w in e4m3, a scale per expert and column) are
+read as they are, converted in registers, and their columns scaled after the sum.
 """
 from __future__ import annotations
 
@@ -83,9 +86,10 @@ def _kernel(experts_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, ste
                                              "out_dtype"))
 def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool = False,
                   num_warps: int | None = None, num_stages: int | None = None, bk: int | None = None,
-                  bn: int | None = None, splits: int | None = None, out_dtype=None) -> jax.Array:
+                  bn: int | None = None, splits: int | None = None, out_dtype=None, scale=None) -> jax.Array:
     """x [A, K], w [E, K, N], experts [A] int -> [A, N] in `out_dtype` (default x's dtype),
-    row a = x[a] @ w[experts[a]].
+    row a = x[a] @ w[experts[a]] (times scale[experts[a]], [E, N] float32, where given: an
+    8-bit w's column scales; w is then read in its own dtype).
     `bk`: the contraction block wanted (the largest power of two up to it dividing K);
     `bn`: the column block; `splits`: programs that share one output block's contraction
     (more programs in flight for few rows), their float32 partial sums added after the
@@ -105,9 +109,13 @@ def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: 
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=bk, block_n=bn, steps=K // bk // splits),
         grid=(A, N // bn, splits),
-        out_shape=jax.ShapeDtypeStruct((splits, A, N), out_dtype if splits == 1 else jnp.float32),
+        # float32 partial sums where split, or where the scales come after.
+        out_shape=jax.ShapeDtypeStruct((splits, A, N), out_dtype if splits == 1 and scale is None else jnp.float32),
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
         name=f"expert_matmul_bk{bk}_bn{bn}_s{splits}",
-    )(experts.astype(jnp.int32), x, w.astype(x.dtype))
-    return out[0] if splits == 1 else out.sum(axis=0).astype(out_dtype)  # [S, A, N] -> [A, N]
+    )(experts.astype(jnp.int32), x, w if scale is not None else w.astype(x.dtype))
+    if scale is None:
+        return out[0] if splits == 1 else out.sum(axis=0).astype(out_dtype)  # [S, A, N] -> [A, N]
+    y = out.astype(jnp.float32).sum(axis=0)  # [S, A, N] -> [A, N]
+    return (y * scale[experts]).astype(out_dtype)  # [E, N][experts] -> [A, N]

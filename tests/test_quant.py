@@ -127,8 +127,7 @@ def _moe_layer(rng, D=16, F=12, E=6, shards=2, shared=10):
 def test_moe_plans_with_8bit_experts(plan):
     """Every XLA plan of the MoE MLP takes 8-bit experts (one scale per expert and column)
     and a quantized shared expert: the output of the same experts dequantized. The router
-    stays as it was; the Pallas expert-matmul kernel, which reads bf16 experts, is not
-    offered for them."""
+    stays as it was."""
     from jaxoverlap.models import moe
     from jaxoverlap.models.quant import quantize_layer
 
@@ -143,9 +142,31 @@ def test_moe_plans_with_8bit_experts(plan):
     got, want = np.asarray(run(h, q)), np.asarray(run(h, dq))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(got - np.asarray(run(h, lw))).max() > 1e-3  # the 8-bit experts are another layer
-    assert not moe.kernel_fits(lambda *a, **k: None, q.w_gate_up, q.w_down)
-    with pytest.raises(ValueError, match="bf16 experts"):
-        moe.moe_mlp(h, q, top_k=2, normalize=False, force_plan=("pallas", 0))
+
+
+def test_expert_matmul_kernel_reads_8bit_experts():
+    """The Pallas expert-matmul plan (interpreted) with 8-bit experts: each chosen expert's
+    matrix converted in the kernel, its column scales applied after, the dequantized
+    experts' output; with and without a split contraction."""
+    from jaxoverlap.models import moe
+    from jaxoverlap.models.quant import quantize_layer
+    from jaxoverlap.pallas_kernels.expert_matmul import expert_matmul
+
+    rng = np.random.default_rng(11)
+    lw = _moe_layer(rng, D=64, F=64, E=6, shards=1, shared=64)
+    q = quantize_layer(lw)
+    assert moe.kernel_fits(lambda *a, **k: None, q.w_gate_up, q.w_down)
+    h = jnp.asarray(rng.normal(size=(2, 3, 64)), jnp.float32)
+    got = moe.moe_mlp(h, q, top_k=2, normalize=True, force_plan=("pallas", 0))
+    want = moe.moe_mlp(h, dequantize_params(q), top_k=2, normalize=True, force_plan=("dense", 0))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    x = jnp.asarray(rng.normal(size=(5, 64)), jnp.float32)
+    experts = jnp.asarray([0, 5, 5, 2, 1], jnp.int32)
+    w = q.w_gate_up
+    ref = jnp.einsum("ak,akn->an", x, w.dequantized()[experts])
+    for splits in (1, 2):
+        out = expert_matmul(x, w.q, experts, scale=w.scale, interpret=True, bk=32, splits=splits)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
 
 
 def test_moe_plan_is_costed_with_the_experts_bytes(monkeypatch):
