@@ -54,19 +54,19 @@ from jaxoverlap.models.quant import Fp8Weight, batched_linear, index, linear, ta
 # (Both plans' bytes and FLOPs scale with an expert's D x F, so the choice depends only on
 # T, E, k and this ratio.) A model until measured per shape: benchmarks/moe_plan_bench.py.
 MATMUL_FLOPS_PER_BYTE = 150.0
+BYTES_PER_WEIGHT = 2  # bf16
 MAX_BLOCK = 4096
 
 
-def _cost(tokens: int, experts: int, top_k: int, kind: str, block: int, weight_bytes: int = 2) -> float:
-    """A plan's time for one layer, in units of (one expert's D x 3F weights) x 1 byte / bandwidth,
-    for experts of `weight_bytes` bytes per weight (bf16: 2; FP8 experts: 1)."""
+def _cost(tokens: int, experts: int, top_k: int, kind: str, block: int) -> float:
+    """A plan's time for one layer, in units of (one expert's D x 3F weights) x 1 byte / bandwidth."""
     if kind == "dense":
         moved, rows = experts, tokens * experts  # every expert read once; every token on every expert
     else:
         # Each block gathers a copy of its expert (read, written, read by the matmul).
         n_blocks = _blocks(tokens * top_k, experts, block)
         moved, rows = 3 * n_blocks, n_blocks * block
-    return weight_bytes * moved + 2 * rows / MATMUL_FLOPS_PER_BYTE
+    return BYTES_PER_WEIGHT * moved + 2 * rows / MATMUL_FLOPS_PER_BYTE
 
 
 def _blocks(assignments: int, experts: int, block: int) -> int:
@@ -75,13 +75,11 @@ def _blocks(assignments: int, experts: int, block: int) -> int:
     return assignments if block == 1 else -(-assignments // block) + min(experts, assignments)
 
 
-def plan(tokens: int, experts: int, top_k: int, kernel: bool = False, weight_bytes: int = 2) -> tuple[str, int]:
+def plan(tokens: int, experts: int, top_k: int, kernel: bool = False) -> tuple[str, int]:
     """("pallas", 0), ("dense", 0) or ("grouped", b) for a program of `tokens` tokens.
     With the expert-matmul `kernel` at hand, "pallas" for at most `experts` assignments (it
     reads one expert matrix per assignment, "dense" all E once). Otherwise the cheapest by
-    `_cost` (module docstring) for experts of `weight_bytes` bytes per weight, over b in
-    1, 2, 4, .. MAX_BLOCK. Fewer bytes per weight make reading matter less next to the
-    matmul work, which "dense" does most of."""
+    `_cost` (module docstring), over b in 1, 2, 4, .. MAX_BLOCK."""
     if kernel and tokens * top_k <= experts:
         return ("pallas", 0)
     options = [("dense", 0)]
@@ -89,7 +87,7 @@ def plan(tokens: int, experts: int, top_k: int, kernel: bool = False, weight_byt
     while block <= min(MAX_BLOCK, 2 * tokens * top_k):
         options.append(("grouped", block))
         block *= 2
-    return min(options, key=lambda o: _cost(tokens, experts, top_k, *o, weight_bytes=weight_bytes))
+    return min(options, key=lambda o: _cost(tokens, experts, top_k, *o))
 
 
 def activation_bytes(tokens: int, experts: int, top_k: int, hidden: int, width: int, itemsize: int) -> int:
@@ -265,9 +263,7 @@ def moe_mlp(h: jax.Array, lw, *, top_k: int, normalize: bool, expert_matmul=None
     x = h.reshape(R * Q, D)  # [R, Q, D] -> [T, D]
     weights, experts = route(x, lw.w_router, top_k, normalize)
     kernel = kernel_fits(expert_matmul, lw.w_gate_up, lw.w_down)
-    # Bytes per expert weight: FP8 experts read 1 (their scales are one row per expert).
-    weight_bytes = 1 if isinstance(lw.w_gate_up, Fp8Weight) else jnp.dtype(lw.w_gate_up.dtype).itemsize
-    kind, block = force_plan or plan(R * Q, lw.w_gate_up.shape[0], top_k, kernel, weight_bytes)
+    kind, block = force_plan or plan(R * Q, lw.w_gate_up.shape[0], top_k, kernel)
     if kind == "dense":
         out = _dense(x, weights, experts, lw.w_gate_up, lw.w_down, lw.gate_up_shards)
     elif kind == "pallas":

@@ -169,22 +169,6 @@ def test_expert_matmul_kernel_reads_8bit_experts():
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
 
 
-def test_moe_plan_is_costed_with_the_experts_bytes(monkeypatch):
-    """The plan's cost model counts 1 byte per 8-bit expert weight, the dtype's itemsize
-    otherwise."""
-    from jaxoverlap.models import moe
-    from jaxoverlap.models.quant import quantize_layer
-
-    seen = []
-    real_plan = moe.plan
-    monkeypatch.setattr(moe, "plan", lambda *a: seen.append(a[4]) or real_plan(*a))
-    lw = _moe_layer(np.random.default_rng(4))
-    h = jnp.ones((2, 1, 16), jnp.float32)
-    for layer in (lw, quantize_layer(lw), jax.tree.map(lambda a: a.astype(jnp.bfloat16), lw)):
-        moe.moe_mlp(h.astype(layer.w_router.dtype), layer, top_k=2, normalize=False)
-    assert seen == [4, 1, 2]
-
-
 def test_engine_fp8_moe_generates_as_its_dequantized_weights():
     cfg = tiny_config(model_type="qwen3_moe", intermediate_size=32, num_experts=8, experts_per_token=2,
                       norm_topk_prob=True)
