@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["default"],
                     choices=["default", "fused", "unfused", "fused_attention", "single_exec", "stacked", "per_layer",
                              "group4", "group12", "no_host_copy", "on_change", "jit_turns", "no_expert_kernel",
-                             "fp8"],
+                             "fp8", "fp8_kernel"],
                     help="compared in the same run: the engine's default, the Pallas fused decode kernels on (fused) "
                          "or off (unfused), only the attention one (fused_attention), the default kernels with "
                          "one executable per decode program instead of two in turn (single_exec), the weights in "
@@ -124,7 +124,8 @@ def main():
                          "instead of as the compiled executable (jit_turns), or (a MoE model) the experts of small "
                          "steps in XLA ops instead of the Pallas expert-matmul kernel (no_expert_kernel), or the "
                          "layers' matrices in FP8 (fp8: EngineConfig.quantization, a second copy of them; "
-                         "its floor is of its own bytes)")
+                         "its floor is of its own bytes), or those through the Pallas fp8_matmul kernel "
+                         "(fp8_kernel; off in the engine until measured)")
     ap.add_argument("--prompt-len-jitter", type=int, default=0,
                     help="prompts of prompt_len + [0, N) tokens: rows then cross page boundaries on different "
                          "steps, so most steps reserve pages (0: every row reserves on the same step)")
@@ -163,13 +164,15 @@ def main():
         per_layer = unstack_layers(default_params)
         layouts = {k: (per_layer if g == 1 else stack_layers(per_layer, group_size=g))
                    for k, g in layout_variants.items() if k in args.variants}
-    if "fp8" in args.variants:
+    if "fp8" in args.variants or "fp8_kernel" in args.variants:
         from jaxoverlap.models.quant import quantize_params
 
-        # Per layer, as the engine keeps 8-bit weights (a stacked 8-bit matrix reads ~4x slower);
-        # the per-layer copies of stacked weights are dropped as they are quantized.
+        # Per layer, as the engine keeps 8-bit weights (a stacked 8-bit matrix reads ~4x slower).
+        # Unstacking copies the weights (a peak of twice their bf16 bytes); each copy is dropped
+        # as soon as it is quantized.
         per_layer = unstack_layers(default_params)
-        layouts["fp8"] = quantize_params(per_layer, delete_source=per_layer is not default_params)
+        layouts["fp8"] = layouts["fp8_kernel"] = quantize_params(per_layer,
+                                                                 delete_source=per_layer is not default_params)
     print(f"weight leaves {len(jax.tree.leaves(default_params))} (layers per stack: "
           f"{layers_per_stack(default_params)})", flush=True)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
@@ -196,6 +199,13 @@ def main():
 
                 engine.runner.attention = PallasAttention(interpret=jax.default_backend() != "gpu")
                 engine.runner.attention.add_rms_norm = None
+            if variant == "fp8_kernel":  # the engine's kernels plus fp8_matmul for the 8-bit matrices
+                from jaxoverlap.pallas_kernels.attention import PallasAttention
+
+                if not isinstance(default_attention, PallasAttention):
+                    raise SystemExit(f"fp8_kernel needs the Pallas backend on one device, not {default_attention!r}")
+                engine.runner.attention = copy.copy(default_attention)
+                del engine.runner.attention.fp8_matmul  # the instance's None hid the kernel method
             if variant == "no_expert_kernel":  # the same kernels but the expert matmul (models/moe.py)
                 from jaxoverlap.pallas_kernels.attention import PallasAttention
 

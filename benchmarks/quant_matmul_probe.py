@@ -11,8 +11,8 @@ weights held as:
   the matmul's float32 output (models/quant.py's `linear` on XLA's path), so only a convert
   sits on the operand;
 - fp8_kernel: fp8_channel's weights through the Pallas kernel that converts them in
-  registers (pallas_kernels/fp8_matmul.py, what the engine's quantization="fp8" runs for
-  decode rows on the Pallas backend);
+  registers (pallas_kernels/fp8_matmul.py, the Pallas backend's opt-in fp8_matmul), for
+  batches of up to its 64 rows (larger ones fall back to fp8_channel's XLA matmul);
 - fp8_block: 8-bit weights with one scale per 128 x 128 block (the layout of fine-grained
   FP8 checkpoints such as Qwen3-8B-FP8), dequantized in the program before the matmul;
 - fp8_fp8: the activations quantized too (one dynamic scale per row), an fp8 x fp8 matmul.

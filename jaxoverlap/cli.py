@@ -38,11 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: the layers' weight matrices (experts too) in 8 bits with a scale per output "
-                        "column (half their memory and bytes per decode step; activations and the KV cache stay "
-                        "in --dtype)")
+                        "column (half their memory and bytes per decode step; activations stay in --dtype, the KV "
+                        "cache in --kv-cache-dtype)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="auto: the KV cache in --dtype; fp8 (= fp8_e4m3) or fp8_e5m2: in 8 bits with a scale of 1 "
-                        "(twice the tokens in the same memory, half the bytes attention reads per token)")
+                   help="auto: the KV cache in --dtype; fp8 (= fp8_e4m3) or fp8_e5m2: in 8 bits, with the "
+                        "checkpoint's per-layer k/v scales where it has them, else 1 (twice the tokens in the same "
+                        "memory, half the bytes attention reads per token)")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-context-len", type=int, default=None)

@@ -26,9 +26,9 @@ class EngineConfig:
     # (models/quant.py): half their memory and bytes per step; activations stay in `dtype`.
     quantization: str | None = None
     # The KV cache's dtype: "auto" (the model's) | "fp8" (= "fp8_e4m3") | "fp8_e5m2". An 8-bit
-    # cache holds K/V rounded to it with a scale of 1 (saturating at its largest value), as
-    # vLLM's does without calibrated scales: twice the tokens in the same memory, and half
-    # the bytes attention reads per token. The attention math stays in `dtype`.
+    # cache holds K/V over the checkpoint's per-layer k_scale / v_scale where it has them (else
+    # 1, as vLLM), rounded and saturated: twice the tokens in the same memory, and half the
+    # bytes attention reads per token. The attention math stays in `dtype`.
     kv_cache_dtype: str = "auto"
     seed: int = 0  # for dummy weights and for requests without a seed
     page_size: int = 16

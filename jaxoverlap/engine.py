@@ -193,6 +193,26 @@ def _pallas_attention(interpret: bool, mesh=None, fuse_decode: bool = True):
     return sharded
 
 
+def _holds_fp8(params: ModelParams) -> bool:
+    """Whether the weights hold 8-bit matrices (the caller's, quantized before)."""
+    from jaxoverlap.models.quant import Fp8Weight
+
+    return any(isinstance(w, Fp8Weight)
+               for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight)))
+
+
+def _gpu_converts_fp8() -> bool:
+    """Whether Pallas kernels may convert 8-bit floats here: anywhere but a GPU of compute
+    capability below 8.9 (JAX's Triton lowering refuses e4m3 there)."""
+    if jax.default_backend() != "gpu":
+        return True
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return tuple(int(p) for p in str(capability).split(".")[:2]) >= (8, 9)
+    except ValueError:
+        return True  # unknown: let the kernels decide
+
+
 def compilation_cache_dir(option: str | None) -> str | None:
     """The folder EngineConfig.compilation_cache_dir names ("auto" resolved), or None ("none")."""
     if not option or option.lower() == "none":
@@ -296,14 +316,14 @@ class Engine:
         group = config.layers_per_weight_stack
         if group is None:
             group = GPU_LAYERS_PER_WEIGHT_STACK if jax.default_backend() == "gpu" else 1
-            if config.quantization:
-                # Measured on an H100 (Qwen3-8B, batch 1, benchmarks/RESULTS.md 2026-12-07): XLA's
-                # matmul over a slice of a stacked 8-bit matrix took 22.3 ms a step, per-layer
-                # 8-bit matrices 5.2 ms.
+            if config.quantization or _holds_fp8(params):
+                # Measured on an H100 (Qwen3-8B, batch 1, benchmarks/RESULTS.md 2026-12-07): a
+                # decode step took 22.3 ms with 8-bit weights in groups of 4 layers, 5.2 ms with
+                # them per layer (bf16 per layer: 5.7 ms).
                 group = 1
-        elif config.quantization and group > 1:
-            logger.warning("layers_per_weight_stack=%d with quantization=%r: XLA reads stacked 8-bit weights "
-                           "about 4x slower than per-layer ones (benchmarks/RESULTS.md)", group, config.quantization)
+        elif (config.quantization or _holds_fp8(params)) and group > 1:
+            logger.warning("layers_per_weight_stack=%d with 8-bit weights: a decode step with them stacked was "
+                           "about 4x slower than with them per layer on an H100 (benchmarks/RESULTS.md)", group)
         if config.tensor_parallel_size > 1:
             group = 1
         if group > 1:
@@ -494,6 +514,16 @@ class Engine:
                 logger.warning("attention runs on the XLA path: the Pallas kernels need a power-of-two head_dim "
                                ">= 16, and this model has %s", unfit)
                 backend = "xla"
+        eight_bit = is_8bit(self.kv_cache_dtype)
+        if eight_bit and not _gpu_converts_fp8():
+            # Triton converts 8-bit floats from compute capability 8.9 (Ada, Hopper) on.
+            if backend == "pallas" and self.config.attention_backend == "pallas":
+                raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} with attention_backend='pallas' "
+                                 f"needs a GPU of compute capability >= 8.9; use attention_backend='xla' (or 'auto')")
+            if backend == "pallas":
+                logger.warning("attention runs on the XLA path: the Pallas kernels read an 8-bit KV cache on GPUs "
+                               "of compute capability >= 8.9 only")
+                backend = "xla"
         if backend == "xla":
             return None
         if unfit:
@@ -502,8 +532,12 @@ class Engine:
         # The fused decode kernel holds one KV head's query heads in one tile: with more, the
         # decode steps use the unfused kernels, which split them.
         fits_fused = all(c.num_heads // c.num_kv_heads <= MAX_ROWS for c in cfgs)
-        return _pallas_attention(interpret=jax.default_backend() != "gpu", mesh=self.mesh,
-                                 fuse_decode=not self.config.disable_fused_decode and fits_fused)
+        on_gpu = jax.default_backend() == "gpu"
+        # Its 8-bit cache write has run only interpreted so far (the decode kernel that reads an
+        # 8-bit cache was measured on an H100: benchmarks/RESULTS.md, 2026-12-07 fifteenth
+        # session), so on a GPU an 8-bit cache keeps the unfused kernels until a recorded run.
+        fuse = not self.config.disable_fused_decode and fits_fused and not (eight_bit and on_gpu)
+        return _pallas_attention(interpret=not on_gpu, mesh=self.mesh, fuse_decode=fuse)
 
     def _kv_tokens_from_memory(self, table_width: int, layout: dict, largest_step: int) -> int:
         """The KV-cache tokens that `kv_cache_memory_fraction` of the first device's free

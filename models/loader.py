@@ -68,8 +68,8 @@ _ML_DTYPES = {
 
 # Tensors that some checkpoints carry but that are recomputed from the config, or that weights
 # dequantized at load do not use: an FP8 checkpoint's weight scales (read with their weights),
-# and the activation and KV-cache scales of static schemes (activations and the KV cache stay
-# in the model's dtype).
+# the activation scales of static schemes (activations stay in the model's dtype), and the
+# KV-cache scales (read apart, by `kv_cache_scales`, for an 8-bit cache).
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.weight_scale_inv|\.weight_scale|\.input_scale|\.k?[kv]_scale)$")
 _FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 

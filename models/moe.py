@@ -219,8 +219,10 @@ def _default_expert_matmul(x, w, experts, out_dtype=None, scale=None):
 def kernel_fits(expert_matmul, w_gate_up: jax.Array, w_down: jax.Array) -> bool:
     """Whether the "pallas" plan can run: a kernel given (the Pallas attention backend on one
     device has it; a Pallas call is not partitioned by XLA, so none under a mesh) and the
-    layer's shapes ones it takes. 8-bit experts (models/quant.py) it reads as they are."""
-    if expert_matmul is None:
+    layer's shapes ones it takes. Not for 8-bit experts (models/quant.py): the kernel reads
+    them (a forced "pallas" plan), but only interpreted so far, so the XLA plans serve them
+    until a GPU run is recorded."""
+    if expert_matmul is None or isinstance(w_gate_up, Fp8Weight):
         return False
     from jaxoverlap.pallas_kernels.expert_matmul import supported
 

@@ -19,7 +19,7 @@ The layers' matrices are quantized (QUANTIZED_MATRICES): attention, the MLP, and
 mixture-of-experts layer every expert's (one scale per expert and column) and the shared
 expert's; the router stays in the model's dtype. The experts' XLA plans (models/moe.py) take
 8-bit experts through `batched_linear`, `take` and `index`; the Pallas expert-matmul kernel
-reads the 8-bit experts in place and scales its output columns. Leading axes
+reads them too (models/moe.kernel_fits says when it is chosen). Leading axes
 (stacked layers [G, in, out], experts [E, in, out]) carry through: `scale` is then
 [G, out] or [E, out].
 """

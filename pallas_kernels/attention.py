@@ -58,17 +58,21 @@ class PallasAttention:
     - `add_rms_norm`: each residual add with the RMS norm after it (add_norm.py);
     and, for mixture-of-experts layers of a few tokens (models/moe.py, the "pallas" plan):
     - `expert_matmul`: rows times their own expert's matrix, read in place (expert_matmul.py);
-    and for 8-bit weight matrices (models/quant.linear) of a few rows:
-    - `fp8_matmul`: the matrix converted in registers (fp8_matmul.py).
+    and, with fp8_matmul=True, for 8-bit weight matrices (models/quant.linear) of a few rows:
+    - `fp8_matmul`: the matrix converted in registers (fp8_matmul.py). Off by default: it
+      has run only interpreted so far (benchmarks/decode_bench.py's fp8_kernel variant and
+      quant_matmul_probe.py's fp8_kernel format are its first GPU measurements).
 
     Steps take the backend as a static argument, so create one object per configuration
     and reuse it (the engine caches them); equal objects would not share compilations."""
 
-    def __init__(self, interpret: bool = False, fuse_decode: bool = True):
+    def __init__(self, interpret: bool = False, fuse_decode: bool = True, fp8_matmul: bool = False):
         self.interpret = interpret
         if not fuse_decode:  # instance attributes hide the methods: forward sees None
             self.fused_decode = None
             self.add_rms_norm = None
+        if not fp8_matmul:
+            self.fp8_matmul = None
 
     def __call__(self, q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens, *, scale, ctx_len):
         return paged_attention(q, k_cache, v_cache, layer, req_to_token, entries, q_positions, kv_lens,
@@ -95,4 +99,5 @@ class PallasAttention:
         return fp8_matmul.fp8_matmul(x, q, interpret=self.interpret)
 
     def __repr__(self):
-        return f"PallasAttention(interpret={self.interpret}, fuse_decode={self.fused_decode is not None})"
+        return (f"PallasAttention(interpret={self.interpret}, fuse_decode={self.fused_decode is not None}, "
+                f"fp8_matmul={self.fp8_matmul is not None})")

@@ -117,5 +117,5 @@ def expert_matmul(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: 
     )(experts.astype(jnp.int32), x, w if scale is not None else w.astype(x.dtype))
     if scale is None:
         return out[0] if splits == 1 else out.sum(axis=0).astype(out_dtype)  # [S, A, N] -> [A, N]
-    y = out.astype(jnp.float32).sum(axis=0)  # [S, A, N] -> [A, N]
+    y = out.sum(axis=0)  # [S, A, N] float32 -> [A, N]
     return (y * scale[experts]).astype(out_dtype)  # [E, N][experts] -> [A, N]

@@ -218,6 +218,8 @@ def plan_launch(q_shape, q_dtype, cache_shape, cache_dtype, req_shape, *, scale:
         num_warps = 4 if block_rows <= 32 else 8
 
     q_dtype, cache_dtype = np.dtype(q_dtype), np.dtype(cache_dtype)
+    if cache_dtype.itemsize == 1:  # the kernel casts q to the cache's dtype for its matmuls
+        raise NotImplementedError("the native Triton decode kernel reads 16-bit caches only, not an 8-bit one")
     if num_splits == 1:
         # m / l are not needed; 1-element placeholders keep one kernel signature.
         out_shapes = (((R, Q, H, HD), q_dtype), ((1,), np.dtype(np.float32)),

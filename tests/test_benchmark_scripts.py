@@ -313,3 +313,18 @@ def test_quant_matmul_probe(tmp_path):
     # The kernel computes fp8_channel's product (to float32 rounding, then bf16's).
     err = {(r["format"], r["batch"]): r["rel_err"] for r in rows}
     assert all(abs(err["fp8_kernel", b] - err["fp8_channel", b]) < 0.01 for b in (1, 4)), err
+
+
+def test_attention_bench_with_an_8bit_cache(tmp_path):
+    """The kernels' timing and error rows on a bf16 cache and on its e4m3 copy: each kernel
+    matches the XLA path on the same cache, and the rounding to 8 bits shows against bf16."""
+    res = run_script(tmp_path, "attention_bench", "--smoke", "--quick", "--no-sweep", "--kv-dtypes", "bf16", "fp8")
+    rows = [r for r in res["results"] if r.get("shape") in ("decode", "window", "prefill")]
+    assert {(r["shape"], r["kv_dtype"]) for r in rows} >= {(s, d) for s in ("decode", "window", "prefill")
+                                                           for d in ("bf16", "fp8")}
+    for r in rows:
+        assert "error" not in r and r["time_us"] > 0, r
+        if r["kind"] != "xla":
+            assert r["max_err"] < 0.05, r  # the kernel against the XLA path on the same cache
+        if r["kv_dtype"] == "fp8":
+            assert 0 < r["fp8_vs_bf16_err"] < 0.5, r

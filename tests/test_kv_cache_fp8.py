@@ -1,4 +1,5 @@
-"""EngineConfig.kv_cache_dtype: the KV cache in 8 bits (e4m3 or e5m2, scale 1).
+"""EngineConfig.kv_cache_dtype: the KV cache in 8 bits (e4m3 or e5m2), with per-layer scales
+where the checkpoint has them.
 
 What must hold: every write rounds K/V to the cache's dtype (saturating), every attention
 path (the XLA reference, the Pallas decode, prefill and fused decode kernels) computes over
@@ -377,3 +378,22 @@ def test_checkpoint_kv_scale_names_and_refusals(tmp_path):
                                                          for i in range(L)})
     with pytest.raises(CheckpointError, match="expected one positive number"):
         kv_cache_scales(bad, cfg)
+
+
+def test_gpus_before_compute_capability_8_9_keep_the_8bit_cache_off_the_kernels(monkeypatch):
+    """JAX's Triton lowering converts e4m3 only from compute capability 8.9 on: there the
+    Pallas kernels are refused for an 8-bit cache when asked for by name."""
+    import types
+
+    from jaxoverlap import engine as engine_module
+
+    monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
+    for capability, ok in (("8.0", False), ("8.6", False), ("8.9", True), ("9.0", True), ("10.0", True)):
+        monkeypatch.setattr(engine_module.jax, "devices", lambda c=capability: [types.SimpleNamespace(
+            compute_capability=c)])
+        assert engine_module._gpu_converts_fp8() is ok, capability
+    monkeypatch.undo()
+    monkeypatch.setattr(engine_module, "_gpu_converts_fp8", lambda: False)
+    with pytest.raises(ValueError, match="compute capability >= 8.9"):
+        make_engine(tiny_config(), kv_cache_dtype="fp8", attention_backend="pallas")
+    assert make_engine(tiny_config(), attention_backend="pallas").runner.attention is not None  # a 16-bit cache

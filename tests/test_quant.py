@@ -145,9 +145,10 @@ def test_moe_plans_with_8bit_experts(plan):
 
 
 def test_expert_matmul_kernel_reads_8bit_experts():
-    """The Pallas expert-matmul plan (interpreted) with 8-bit experts: each chosen expert's
-    matrix converted in the kernel, its column scales applied after, the dequantized
-    experts' output; with and without a split contraction."""
+    """The Pallas expert-matmul plan (interpreted, forced: it is not chosen for 8-bit experts
+    until it has run on a GPU) with 8-bit experts: each chosen expert's matrix converted in
+    the kernel, its column scales applied after, the dequantized experts' output; with and
+    without a split contraction."""
     from jaxoverlap.models import moe
     from jaxoverlap.models.quant import quantize_layer
     from jaxoverlap.pallas_kernels.expert_matmul import expert_matmul
@@ -155,7 +156,8 @@ def test_expert_matmul_kernel_reads_8bit_experts():
     rng = np.random.default_rng(11)
     lw = _moe_layer(rng, D=64, F=64, E=6, shards=1, shared=64)
     q = quantize_layer(lw)
-    assert moe.kernel_fits(lambda *a, **k: None, q.w_gate_up, q.w_down)
+    assert moe.kernel_fits(lambda *a, **k: None, lw.w_gate_up, lw.w_down)
+    assert not moe.kernel_fits(lambda *a, **k: None, q.w_gate_up, q.w_down)
     h = jnp.asarray(rng.normal(size=(2, 3, 64)), jnp.float32)
     got = moe.moe_mlp(h, q, top_k=2, normalize=True, force_plan=("pallas", 0))
     want = moe.moe_mlp(h, dequantize_params(q), top_k=2, normalize=True, force_plan=("dense", 0))
@@ -287,9 +289,11 @@ def test_fp8_matmul_kernel_shapes_and_linear_dispatch():
 
 
 def test_engine_fp8_through_the_pallas_matmul_kernel():
-    """On the Pallas backend the engine's 8-bit matrices go through the fp8_matmul kernel
-    (interpreted here) for decode rows: the XLA path's greedy tokens."""
+    """With the Pallas backend's fp8_matmul on (off by default until it has run on a GPU),
+    the engine's 8-bit matrices of few rows go through the kernel (interpreted here): the
+    XLA path's greedy tokens."""
     from jaxoverlap.pallas_kernels import fp8_matmul as kernel_module
+    from jaxoverlap.pallas_kernels.attention import PallasAttention
 
     cfg = tiny_config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
     g = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -304,8 +308,15 @@ def test_engine_fp8_through_the_pallas_matmul_kernel():
 
     kernel_module.fp8_matmul = counted
     try:
-        got = run_workload(make_engine(cfg, quantization="fp8", attention_backend="pallas"), arrivals)
+        default = make_engine(cfg, quantization="fp8", attention_backend="pallas")
+        assert default.runner.attention.fp8_matmul is None  # off by default
+        run_workload(default, arrivals)
+        assert not seen
+        eng = make_engine(cfg, quantization="fp8", attention_backend="pallas")
+        eng.runner.attention = PallasAttention(interpret=True, fp8_matmul=True)
+        got = run_workload(eng, arrivals)
     finally:
         kernel_module.fp8_matmul = real
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
-    assert seen and max(seen) <= 64  # traced for decode rows (prefill chunks take XLA's matmul)
+    # Traced for the decode steps (2 rows, then 1) and for prefill chunks of at most 64 rows.
+    assert {1, 2} & set(seen) and max(seen) <= 64, seen
