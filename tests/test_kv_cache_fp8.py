@@ -397,3 +397,27 @@ def test_gpus_before_compute_capability_8_9_keep_the_8bit_cache_off_the_kernels(
     with pytest.raises(ValueError, match="compute capability >= 8.9"):
         make_engine(tiny_config(), kv_cache_dtype="fp8", attention_backend="pallas")
     assert make_engine(tiny_config(), attention_backend="pallas").runner.attention is not None  # a 16-bit cache
+
+
+def test_bf16_engine_with_an_8bit_cache():
+    """The production combination, bf16 activations over an e4m3 cache, through the XLA path
+    and the Pallas kernels: prompt log-probabilities near the bf16 cache's (the rounding of
+    K/V shows), and the two backends as close to each other as they are over a bf16 cache."""
+    import jax
+
+    cfg = tiny_config()
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), tiny_params(cfg))
+    prompt = list(range(5, 45))
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
+    logprobs = {}
+    for cache in ("auto", "fp8"):
+        for backend in ("xla", "pallas"):
+            eng = make_engine(cfg, params=bf16, dtype="bfloat16", kv_cache_dtype=cache, attention_backend=backend)
+            assert eng.runner.state.k_cache.dtype == (jnp.bfloat16 if cache == "auto" else E4M3)
+            out = run_workload(eng, {0: [("p", prompt, sp)]})["p"]
+            logprobs[cache, backend] = np.asarray(out.prompt_logprobs[1:], np.float32)
+    assert all(np.isfinite(v).all() and len(v) == len(prompt) - 1 for v in logprobs.values())
+    drift = np.abs(logprobs["fp8", "xla"] - logprobs["auto", "xla"]).mean()
+    assert 0 < drift < 0.5, drift  # mean over the prompt, in nats
+    noise = {c: np.abs(logprobs[c, "pallas"] - logprobs[c, "xla"]).mean() for c in ("auto", "fp8")}
+    assert noise["fp8"] <= 2 * noise["auto"] + 0.05, noise
