@@ -48,9 +48,9 @@ from jaxoverlap.models import moe
 from jaxoverlap.models.config import ModelConfig
 from jaxoverlap.models.params import ModelParams, stack_layers
 from jaxoverlap.models.quant import quantize_params
-from jaxoverlap.pallas_kernels.reference import is_8bit
 from jaxoverlap.outputs import RequestOutput
 from jaxoverlap.page_allocator import EntryAllocator, PageAllocator
+from jaxoverlap.pallas_kernels.reference import is_8bit
 from jaxoverlap.prefix_cache import PrefixCache
 from jaxoverlap.request import Request
 from jaxoverlap.runner import LaunchedStep, ModelRunner

@@ -1,5 +1,6 @@
-"""Matmuls of a few rows (decode) with 8-bit weights: x [M, K] @ q [K, N], q in float8 e4m3,
-in float32, for models/quant.linear to scale per column.
+"""Matmuls of a few rows (decode steps, small verify windows, short prefill chunks) with 8-bit
+weights: x [M, K] @ q [K, N], q in float8 e4m3, in float32, for models/quant.linear to scale
+per column. Off in the engine until it has run on a GPU (PallasAttention(fp8_matmul=True)).
 
 Why: XLA fuses the 8-bit matrix's conversion into its matmul, but that fusion read Qwen3-8B's
 8-bit weights at 1.5 TB/s on an H100 against 2.8 TB/s for the bf16 matmul

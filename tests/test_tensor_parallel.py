@@ -86,7 +86,7 @@ def test_tp_greedy_matches_single_device():
     assert sorted(kv) == ["kv-fp8-pallas-2", "kv-fp8-xla-1", "kv-fp8-xla-2"]
     assert all(v["tokens"] == kv["kv-fp8-xla-1"]["tokens"] and v["dtype"] == "float8_e4m3fn" for v in kv.values())
     assert kv["kv-fp8-xla-2"]["kv_devices"] == kv["kv-fp8-pallas-2"]["kv_devices"] == 2
-    assert out["kv-scaled-pallas-2"] == out["kv-scaled-xla-1"] != kv["kv-fp8-xla-1"]["tokens"]
+    assert out["kv-scaled-pallas-2"] == out["kv-scaled-xla-2"] == out["kv-scaled-xla-1"] != kv["kv-fp8-xla-1"]["tokens"]
     specs = out["fp8-2"]["specs"]
     for name in ("wqkv", "w_gate_up"):
         assert specs[name] == [[None, "tp"], ["tp"]], (name, specs)

@@ -213,7 +213,7 @@ def main():
     # fused kernel under shard_map takes them replicated.
     scaled = dataclasses.replace(tiny_params(cfg), kv_scales=jnp.asarray(
         np.stack([np.linspace(2e-3, 4e-3, cfg.num_layers), np.linspace(1e-3, 2e-3, cfg.num_layers)], 1), jnp.float32))
-    for name, tp, options in (("xla", 1, xla), ("pallas", 2, pallas)):
+    for name, tp, options in (("xla", 1, xla), ("xla", 2, xla), ("pallas", 2, pallas)):
         eng = make_engine(cfg, params=scaled, tensor_parallel_size=tp, kv_cache_dtype="fp8", **options)
         out[f"kv-scaled-{name}-{tp}"] = {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())}
     seconds["kv-fp8"] = round(time.perf_counter() - t0, 1)
