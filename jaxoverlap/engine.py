@@ -314,14 +314,15 @@ class Engine:
                 quantization=config.quantization,  # each layer quantized as it loads
             )
         group = config.layers_per_weight_stack
+        eight_bit_weights = bool(config.quantization) or _holds_fp8(params)
         if group is None:
             group = GPU_LAYERS_PER_WEIGHT_STACK if jax.default_backend() == "gpu" else 1
-            if config.quantization or _holds_fp8(params):
+            if eight_bit_weights:
                 # Measured on an H100 (Qwen3-8B, batch 1, benchmarks/RESULTS.md 2026-12-07): a
                 # decode step took 22.3 ms with 8-bit weights in groups of 4 layers, 5.2 ms with
                 # them per layer (bf16 per layer: 5.7 ms).
                 group = 1
-        elif (config.quantization or _holds_fp8(params)) and group > 1:
+        elif eight_bit_weights and group > 1:
             logger.warning("layers_per_weight_stack=%d with 8-bit weights: a decode step with them stacked was "
                            "about 4x slower than with them per layer on an H100 (benchmarks/RESULTS.md)", group)
         if config.tensor_parallel_size > 1:

@@ -170,8 +170,8 @@ def fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, 
     if not has_norm:
         q_norm = k_norm = jnp.ones((1, HD), qkv.dtype)
     has_scales = kv_scales is not None
-    if not has_scales:  # a placeholder the kernel does not read
-        kv_scales = jnp.ones((1, 2), jnp.float32)
+    # [L, 2]; without scales a placeholder the kernel does not read.
+    kv_scales = jnp.asarray(kv_scales, jnp.float32) if has_scales else jnp.ones((1, 2), jnp.float32)
 
     attn_shapes = split_out_shapes(num_splits, R, 1, H, HD, qkv.dtype)
     cache_shapes = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
@@ -199,11 +199,11 @@ def fused_decode_attention(qkv, k_cache, v_cache, layer, req_to_token, entries, 
         qkv.reshape(R, H + 2 * KVH, HD),  # [R, (H+2KVH)*HD] -> [R, H+2KVH, HD]: head-major, free
         q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype),
         jnp.asarray(rope_freq, jnp.float32),
-        jnp.asarray(kv_scales, jnp.float32),
+        kv_scales,
         k_cache, v_cache,
     )
     k_cache, v_cache = outs[n_attn:]
     o = merge_splits(outs[:n_attn], num_splits, qkv.dtype)
     if has_scales:  # the cache holds v / v_scale: the weighted sum comes out v_scale too small
-        o = (o.astype(jnp.float32) * jnp.asarray(kv_scales, jnp.float32)[layer, 1]).astype(qkv.dtype)
+        o = (o.astype(jnp.float32) * kv_scales[layer, 1]).astype(qkv.dtype)
     return o.reshape(R, H, HD), k_cache, v_cache  # [R, 1, H, HD] -> [R, H, HD]
