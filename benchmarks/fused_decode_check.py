@@ -13,6 +13,7 @@ a decode step, where each layer's small kernels cost launch and tail time).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -31,6 +32,8 @@ def main():
     ap.add_argument("--ctx", type=int, nargs="+", default=[256, 2048])
     ap.add_argument("--table-width", type=int, default=4096, help="static ctx_len, as the engine's one bucket")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="the cache's dtype (fp8 = e4m3, rounded from the bf16 cache)")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run")
     ap.add_argument("--out", default="fused_decode.json")
     args = ap.parse_args()
@@ -44,6 +47,7 @@ def main():
     from jaxoverlap.models.transformer import apply_rope, rms_norm, split_qkv
     from jaxoverlap.pallas_kernels.attention import paged_attention
     from jaxoverlap.pallas_kernels.fused_decode import fused_decode_attention, rope_frequencies
+    from jaxoverlap.pallas_kernels.reference import to_cache_dtype
     from jaxoverlap.pallas_kernels.testing import make_paged_batch
 
     eps, scale = 1e-6, 1.0 / np.sqrt(HD)
@@ -56,8 +60,8 @@ def main():
         q, k, v = split_qkv(qkv[:, None], H, KVH, HD, 1)  # [R, 1, H | KVH, HD]
         q, k = rms_norm(q, qn[0], eps), rms_norm(k, kn[0], eps)
         q, k = apply_rope(q, pos[:, None], inv_freq), apply_rope(k, pos[:, None], inv_freq)
-        kc = kc.at[0, slots].set(k.reshape(R, KVH, HD).astype(kc.dtype))
-        vc = vc.at[0, slots].set(v.reshape(R, KVH, HD).astype(vc.dtype))
+        kc = kc.at[0, slots].set(to_cache_dtype(k.reshape(R, KVH, HD), kc.dtype))  # [R, 1, KVH, HD] -> [R, KVH, HD]
+        vc = vc.at[0, slots].set(to_cache_dtype(v.reshape(R, KVH, HD), vc.dtype))
         o = attention(q, kc, vc, 0, req, ent, pos[:, None], lens, scale=scale, ctx_len=ctx_len)
         return o[:, 0], kc, vc
 
@@ -83,6 +87,9 @@ def main():
         for ctx in args.ctx:
             b = make_paged_batch(kv_lens=[ctx] * B, num_q=1, num_heads=H, num_kv_heads=KVH, head_dim=HD,
                                  page_size=16, ctx_len=args.table_width, dtype=jnp.bfloat16, num_layers=1, layer=0)
+            if args.kv_dtype == "fp8":
+                b = dataclasses.replace(b, k_cache=to_cache_dtype(b.k_cache, jnp.float8_e4m3fn),
+                                        v_cache=to_cache_dtype(b.v_cache, jnp.float8_e4m3fn))
             rng = np.random.default_rng(B + ctx)
             qkv = jnp.asarray(rng.normal(size=(B, (H + 2 * KVH) * HD)), jnp.bfloat16)
             pos = b.q_positions[:, 0]
@@ -95,7 +102,7 @@ def main():
             got_o, got_k, _ = jax.jit(fused_layer, static_argnums=10)(qkv, b.k_cache, b.v_cache, *common,
                                                                        args.table_width)
             s = np.asarray(slots)
-            row = {"batch": B, "ctx": ctx,
+            row = {"batch": B, "ctx": ctx, "kv_dtype": args.kv_dtype,
                    "o_max_err": float(jnp.max(jnp.abs(got_o.astype(jnp.float32) - ref_o.astype(jnp.float32)))),
                    "o_max_abs": float(jnp.max(jnp.abs(ref_o.astype(jnp.float32)))),
                    "k_max_err": float(np.max(np.abs(np.asarray(got_k[0, s], np.float32)
@@ -121,7 +128,7 @@ def main():
                 json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                            "python": platform.python_version(), "commit": git_commit(), "args": vars(args),
                            "rows": rows}, f, indent=1)
-    print_table(rows, ["batch", "ctx", "o_max_err", "o_max_abs", "k_max_err", "unfused_us_per_layer",
+    print_table(rows, ["batch", "ctx", "kv_dtype", "o_max_err", "o_max_abs", "k_max_err", "unfused_us_per_layer",
                        "fused_us_per_layer", "fused_speedup"])
 
 
