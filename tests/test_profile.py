@@ -289,7 +289,7 @@ def test_profile_compiles_every_decode_program_before_timing():
     # Pages of 16 and contexts of 64, 128, 256: the reservation's slack of two pages takes
     # the last steps past 64 (the profile left it out, and the timed runs compiled).
     engine = make_engine(speculative_algorithm="ngram_device", speculative_num_steps=2, page_size=16,
-                         max_context_len=256)
+                         max_context_len=256, batch_buckets=(1, 2, 4, 8))
     w = capture.Workload(batch_size=4, prompt_len=20, new_tokens=14)
     batch_sizes, ctx_lens = capture.decode_programs(engine, w)
     assert batch_sizes == [1, 2, 4] and ctx_lens == [64, 128]

@@ -201,22 +201,19 @@ def main():
     eng = make_engine(cfg, params=quantize_params(tiny_params(cfg)), tensor_parallel_size=2, **xla)
     out["fp8-given-2"] = {"tokens": {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())}}
     seconds["fp8"] = round(time.perf_counter() - t0, 1)
-    # An 8-bit KV cache (EngineConfig.kv_cache_dtype) split on its heads like a full one: the
-    # XLA path at TP=1 and 2 (the fused Pallas decode kernel per device under shard_map runs
-    # with scales below).
+    # An 8-bit KV cache (EngineConfig.kv_cache_dtype) split on its heads like a full one, with
+    # per-layer cache scales (small: many K/V saturate, so a model of their own): the XLA path
+    # at TP=1 and 2, and the fused Pallas decode kernel per device under shard_map, reading
+    # the 8-bit cache and taking the scales replicated. (Scales against none, and the 8-bit
+    # cache against the dense forward, are test_kv_cache_fp8's, on one device.)
     t0 = time.perf_counter()
-    for name, tp, options in (("xla", 1, xla), ("xla", 2, xla)):
-        eng = make_engine(cfg, tensor_parallel_size=tp, kv_cache_dtype="fp8", **options)
-        out[f"kv-fp8-{name}-{tp}"] = {"tokens": {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())},
-                                      "dtype": str(eng.runner.state.k_cache.dtype),
-                                      "kv_devices": len(eng.runner.state.k_cache.sharding.device_set)}
-    # With per-layer cache scales (small: many K/V saturate, so a model of their own): the
-    # fused kernel under shard_map reads the 8-bit cache and takes the scales replicated.
     scaled = dataclasses.replace(tiny_params(cfg), kv_scales=jnp.asarray(
         np.stack([np.linspace(2e-3, 4e-3, cfg.num_layers), np.linspace(1e-3, 2e-3, cfg.num_layers)], 1), jnp.float32))
     for name, tp, options in (("xla", 1, xla), ("xla", 2, xla), ("pallas", 2, pallas)):
         eng = make_engine(cfg, params=scaled, tensor_parallel_size=tp, kv_cache_dtype="fp8", **options)
-        out[f"kv-scaled-{name}-{tp}"] = {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())}
+        out[f"kv-fp8-{name}-{tp}"] = {"tokens": {k: v.token_ids for k, v in sorted(run_workload(eng, at_once).items())},
+                                      "dtype": str(eng.runner.state.k_cache.dtype),
+                                      "kv_devices": len(eng.runner.state.k_cache.sharding.device_set)}
     seconds["kv-fp8"] = round(time.perf_counter() - t0, 1)
     # Layouts kept across steps (parallel.StateSharding): an untied LM head over a vocabulary
     # the mesh divides splits the logits and with them the penalty history; the Pallas
