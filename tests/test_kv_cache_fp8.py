@@ -10,7 +10,6 @@ dense forward over an 8-bit cache.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -254,7 +253,7 @@ def test_scales_hold_what_scale_one_would_saturate():
 
 
 def test_fused_decode_applies_the_scales_as_the_unfused_path():
-    from jaxoverlap.models.transformer import apply_rope, rms_norm, split_qkv, write_cache
+    from jaxoverlap.models.transformer import apply_rope, split_qkv, write_cache
 
     H, KVH, HD, eps = 8, 2, 32, 1e-6
     b = make_paged_batch(kv_lens=[7, 30], num_q=1, num_heads=H, num_kv_heads=KVH, head_dim=HD, page_size=4,
