@@ -83,9 +83,8 @@ def test_tp_greedy_matches_single_device():
     assert out["fp8-given-2"]["tokens"] == out["fp8-1"]["tokens"]  # quantized by the caller, relaid out
     assert out["fp8-1"]["tokens"] != out["None-1"]["tokens"]  # the 8-bit weights are another model
     kv = {k: v for k, v in out.items() if k.startswith("kv-fp8-")}  # 8-bit KV cache, split like a 16-bit one
-    assert sorted(kv) == ["kv-fp8-pallas-2", "kv-fp8-xla-1", "kv-fp8-xla-2"]
+    assert {k: v["kv_devices"] for k, v in kv.items()} == {"kv-fp8-xla-1": 1, "kv-fp8-xla-2": 2, "kv-fp8-pallas-2": 2}
     assert all(v["tokens"] == kv["kv-fp8-xla-1"]["tokens"] and v["dtype"] == "float8_e4m3fn" for v in kv.values())
-    assert [v["kv_devices"] for _, v in sorted(kv.items())] == [2, 1, 2]
     specs = out["fp8-2"]["specs"]
     for name in ("wqkv", "w_gate_up"):
         assert specs[name] == [[None, "tp"], ["tp"]], (name, specs)
